@@ -1,0 +1,89 @@
+"""What every backend is: the small fixed protocol the model calls, and the weights it sees.
+
+The model never learns a weight's type. At load it hands each 2-D weight, as the file stores
+it, to ``backend.prepare`` (upload, repack or dequantize, once); in the forward pass it calls
+only ``backend.matmul(x, w)`` and ``backend.embedding(ids, w)``. Everything else (norms, RoPE,
+attention) is array-API code run on ``backend.xp``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+import numpy as np
+
+from qllama.errors import BackendError, UnsupportedTensorTypeError
+from qllama.ggml_types import GGMLType
+
+
+@dataclass(frozen=True)
+class QuantTensor:
+    """A 2-D weight exactly as the GGUF file stores it.
+
+    ``shape`` is numpy order ``(rows, row_length)``: a linear layer ``y = x @ W.T`` has
+    ``rows`` outputs and ``row_length`` inputs, and each row is a run of blocks.
+    """
+
+    name: str
+    ggml_type: GGMLType
+    shape: tuple[int, int]
+    data: np.ndarray  # uint8, (rows * row_bytes,), usually a read-only view of the file
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0]
+
+    @property
+    def row_length(self) -> int:
+        return self.shape[1]
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """The protocol. ``name`` is the registry key; ``xp`` the array namespace the model uses."""
+
+    name: ClassVar[str]
+    xp: Any
+    device: Any
+    dequantize_all: bool
+
+    def supports(self, ggml_type: GGMLType) -> bool:
+        """Whether ``prepare`` accepts weights of this type (a declared table, not a probe)."""
+        ...
+
+    def prepare(self, tensor: QuantTensor) -> Any:
+        """Turn a stored weight into whatever ``matmul``/``embedding`` take; called once."""
+        ...
+
+    def matmul(self, x: Any, w: Any) -> Any:
+        """``x @ W.T``: ``x`` is ``(T, row_length)`` float32 in ``xp``; returns ``(T, rows)``."""
+        ...
+
+    def embedding(self, ids: Any, w: Any) -> Any:
+        """Rows ``ids`` of ``W``, dequantized: ``(T,)`` integer ids -> ``(T, row_length)``."""
+        ...
+
+    def asarray(self, x: Any) -> Any:
+        """An ``xp`` array on the backend's device (inputs: token ids, norm weights)."""
+        ...
+
+
+def check_supported(backend: Backend, tensor: QuantTensor, types: frozenset[GGMLType]) -> None:
+    """Refuse a weight type a backend does not declare, naming both."""
+    if tensor.ggml_type not in types:
+        raise UnsupportedTensorTypeError(
+            f"backend {backend.name} does not support {tensor.ggml_type.name} "
+            f"(tensor '{tensor.name}'); it supports {', '.join(sorted(t.name for t in types))}"
+        )
+
+
+def require_device(backend_name: str, device: str | None, devices: tuple[str, ...]) -> str:
+    """The device to use: the first of ``devices`` by default; a clear error if unknown."""
+    if device is None:
+        return devices[0]
+    if device not in devices:
+        raise BackendError(
+            f"backend {backend_name} has no device {device!r}; available here: {', '.join(devices)}"
+        )
+    return device

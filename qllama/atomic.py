@@ -1,0 +1,34 @@
+"""Write a file completely or not at all: to a temporary name beside it, then rename."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+
+@contextlib.contextmanager
+def atomic_write(
+    path: str | os.PathLike[str], mode: str = "wb", **kwargs: Any
+) -> Iterator[IO[Any]]:
+    """Open a temporary file next to ``path``; on clean exit fsync it and rename it to ``path``.
+
+    If the block raises (or the process dies), ``path`` is untouched and the temporary file is
+    removed (or, after a crash, left under a ``.tmp`` name that no reader mistakes for output).
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, mode, **kwargs) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise

@@ -1,0 +1,196 @@
+"""The ``qllama`` command line.
+
+Every subcommand is a thin layer over the library; errors end the process with one readable
+line on stderr and a non-zero status, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from qllama.errors import QllamaError
+
+EXIT_ERROR = 1
+EXIT_INTERRUPTED = 130
+
+
+# --- inspect ----------------------------------------------------------------------------------
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    """A one-line preview of a metadata value."""
+    if isinstance(value, list | np.ndarray):
+        items = list(value[:4])
+        text = ", ".join(repr(v if not isinstance(v, np.generic) else v.item()) for v in items)
+        more = ", ..." if len(value) > 4 else ""
+        return f"[{text}{more}]"
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _json_value(value: Any) -> Any:
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    return value
+
+
+def _type_label(v: Any) -> str:
+    if v.elem_type is not None:
+        return f"{v.elem_type.name.lower()}[{len(v.value)}]"
+    return v.type.name.lower()
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from qllama.gguf_reader import read_gguf
+
+    f = read_gguf(args.file)
+    by_type: dict[str, list[int]] = {}
+    for t in f:
+        entry = by_type.setdefault(t.ggml_type.name, [0, 0, 0])
+        entry[0] += 1
+        entry[1] += t.n_elements
+        entry[2] += t.nbytes
+    if args.json:
+        doc = {
+            "path": str(f.path),
+            "version": f.version,
+            "alignment": f.alignment,
+            "data_offset": f.data_offset,
+            "metadata": {
+                k: {
+                    "type": v.type.name,
+                    "elem_type": v.elem_type.name if v.elem_type else None,
+                    "value": _json_value(v.value),
+                }
+                for k, v in f.kv.items()
+            },
+            "tensors": [
+                {
+                    "name": t.name,
+                    "type": t.ggml_type.name,
+                    "ne": list(t.ne),
+                    "shape": list(t.shape),
+                    "offset": t.offset,
+                    "bytes": t.nbytes,
+                }
+                for t in f
+            ],
+            "summary": {
+                k: {"tensors": n, "elements": e, "bytes": b} for k, (n, e, b) in by_type.items()
+            },
+        }
+        json.dump(doc, sys.stdout, indent=1)
+        print()
+        return 0
+
+    size = os.path.getsize(f.path) if f.path else 0
+    print(
+        f"{f.path}: GGUF v{f.version}, {size:,} bytes, alignment {f.alignment}, "
+        f"{len(f.kv)} metadata keys, {len(f)} tensors, data at offset {f.data_offset}"
+    )
+    print("\nmetadata:")
+    width = max((len(k) for k in f.kv), default=0)
+    for k, v in f.kv.items():
+        print(f"  {k:<{width}}  {_type_label(v):<14} {_short(v.value)}")
+    print("\ntensors (shape in numpy order, rows last; ne is its reverse):")
+    print(f"  {'name':<32} {'type':<6} {'shape':<16} {'bytes':>12}")
+    for t in f:
+        shape = "x".join(str(d) for d in t.shape) or "scalar"
+        print(f"  {t.name:<32} {t.ggml_type.name:<6} {shape:<16} {t.nbytes:>12,}")
+    total = sum(b for _, _, b in by_type.values())
+    print(f"\nby type:\n  {'type':<6} {'tensors':>7} {'elements':>13} {'bytes':>13} {'share':>6}")
+    for k, (n, e, b) in sorted(by_type.items(), key=lambda kv: -kv[1][2]):
+        print(f"  {k:<6} {n:>7} {e:>13,} {b:>13,} {100 * b / max(total, 1):>5.1f}%")
+    return 0
+
+
+# --- quantize ---------------------------------------------------------------------------------
+
+
+def cmd_quantize(args: argparse.Namespace) -> int:
+    from qllama.file_quantizer import quantize_file
+
+    def progress(i: int, n: int, t: Any, new: Any) -> None:
+        if not args.quiet:
+            print(
+                f"[{i + 1:>4}/{n}] {t.name:<32} {t.ggml_type.name:>5} -> {new.name:<5}",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    result = quantize_file(args.input, args.output, args.type, progress=progress)
+    counts = ", ".join(f"{n} {k}" for k, n in sorted(result.counts.items(), key=lambda kv: -kv[1]))
+    print(
+        f"wrote {result.path}: {result.file_type.label}, {counts}; "
+        f"tensor data {result.bytes_in / 2**20:.1f} MiB -> {result.bytes_out / 2**20:.1f} MiB"
+    )
+    return 0
+
+
+# --- fetch ------------------------------------------------------------------------------------
+
+
+def cmd_fetch(args: argparse.Namespace) -> int:
+    from qllama.model_files import fetch
+
+    print(fetch(args.name, cache=args.cache))
+    return 0
+
+
+# --- entry point ------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from qllama.file_quantizer import FILE_TYPES
+    from qllama.model_files import MODELS
+
+    p = argparse.ArgumentParser(prog="qllama", description="Quantized GGUF inference, measured.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    s = sub.add_parser("inspect", help="show a GGUF file's metadata and tensors")
+    s.add_argument("file")
+    s.add_argument("--json", action="store_true", help="machine-readable output")
+    s.set_defaults(run=cmd_inspect)
+
+    s = sub.add_parser("quantize", help="quantize a GGUF file as llama-quantize does")
+    s.add_argument("input")
+    s.add_argument("output")
+    s.add_argument("type", metavar="TYPE", help="file type: " + ", ".join(FILE_TYPES))
+    s.add_argument("-q", "--quiet", action="store_true", help="no per-tensor progress")
+    s.set_defaults(run=cmd_quantize)
+
+    s = sub.add_parser("fetch", help="download a known model file into the cache")
+    s.add_argument("name", help="one of: " + ", ".join(MODELS))
+    s.add_argument("--cache", help="cache folder (default $QLLAMA_CACHE or the user cache)")
+    s.set_defaults(run=cmd_fetch)
+
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.run(args))
+    except QllamaError as e:
+        print(f"qllama {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    except BrokenPipeError:  # output piped into head and friends
+        return 0
+    except OSError as e:
+        where = f": {e.filename}" if e.filename else ""
+        print(f"qllama {args.command}: error: {e.strerror or e}{where}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print(f"qllama {args.command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

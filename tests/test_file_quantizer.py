@@ -1,0 +1,148 @@
+"""File quantization: llama.cpp's per-tensor type choice, metadata, and the written bytes."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from qllama import quants
+from qllama.errors import ModelConfigError, UnsupportedTensorTypeError
+from qllama.file_quantizer import FILE_TYPES, plan, quantize_file, use_more_bits, visit_order
+from qllama.gguf_reader import read_gguf
+from qllama.gguf_writer import GGUFWriter
+from qllama.synthetic import TinyConfig, write_tiny_llama
+
+# SmolLM2-135M's divisibility pattern at a tiny size: 30 layers, rows of 64 (not a multiple
+# of 256, like 576) and an FFN of 256 (a multiple, like 1536), tied embeddings.
+SMOLLM_LIKE = TinyConfig(n_layer=30, n_embd=64, n_ff=256, n_head=4, n_head_kv=2)
+
+
+@pytest.fixture(scope="module")
+def smollm_like(tmp_path_factory):
+    path = tmp_path_factory.mktemp("q") / "f32.gguf"
+    write_tiny_llama(path, SMOLLM_LIKE)
+    return read_gguf(path)
+
+
+def test_use_more_bits_matches_llama_cpp_on_30_layers():
+    assert [i for i in range(30) if use_more_bits(i, 30)] == [
+        0,
+        1,
+        2,
+        5,
+        8,
+        11,
+        14,
+        17,
+        20,
+        23,
+        26,
+        27,
+        28,
+        29,
+    ]
+
+
+def test_visit_order_is_layer_then_name():
+    names = ["blk.10.a", "blk.2.b", "output_norm.weight", "blk.2.a", "token_embd.weight"]
+    assert visit_order(names) == [
+        "output_norm.weight",
+        "token_embd.weight",
+        "blk.2.a",
+        "blk.2.b",
+        "blk.10.a",
+    ]
+
+
+def test_q4_k_m_composition_is_smollm2s(smollm_like):
+    types = plan(smollm_like, "Q4_K_M")
+    # the composition of a llama.cpp Q4_K_M SmolLM2 file (docs/formats.md)
+    assert Counter(t.name for t in types.values()) == {
+        "Q5_0": 166,
+        "F32": 61,
+        "Q4_K": 16,
+        "Q8_0": 15,
+        "Q6_K": 14,
+    }
+    more = {0, 1, 2, 5, 8, 11, 14, 17, 20, 23, 26, 27, 28, 29}
+    for i in range(30):
+        assert types[f"blk.{i}.ffn_down.weight"].name == ("Q6_K" if i in more else "Q4_K")
+        assert types[f"blk.{i}.attn_v.weight"].name == ("Q8_0" if i in more else "Q5_0")
+    assert types["token_embd.weight"].name == "Q8_0"
+
+
+@pytest.mark.parametrize(
+    ("ftype", "expected"),
+    [
+        ("Q8_0", {"Q8_0": 211, "F32": 61}),
+        ("F16", {"F16": 211, "F32": 61}),
+        ("Q6_K", {"Q8_0": 181, "Q6_K": 30, "F32": 61}),
+        ("Q2_K", {"Q4_0": 180, "Q3_K": 30, "Q8_0": 1, "F32": 61}),
+        (
+            "Q3_K_M",
+            {"Q4_0": 120, "Q5_0": 58, "Q4_K": 29, "Q5_1": 2, "Q5_K": 1, "Q8_0": 1, "F32": 61},
+        ),
+        ("Q5_K_M", {"Q5_1": 166, "Q6_K": 14, "Q5_K": 16, "Q8_0": 15, "F32": 61}),
+    ],
+)
+def test_other_file_types(smollm_like, ftype, expected):
+    assert Counter(t.name for t in plan(smollm_like, ftype).values()) == expected
+
+
+def test_untied_output_gets_q6_k_when_it_can(tmp_path):
+    path = tmp_path / "untied.gguf"
+    write_tiny_llama(path, TinyConfig(n_embd=256, n_ff=256, n_head=4, tied=False))
+    types = plan(read_gguf(path), "Q4_K_M")
+    assert types["output.weight"].name == "Q6_K"
+    assert types["token_embd.weight"].name == "Q4_K"  # untied: left at the default
+
+
+@pytest.mark.parametrize("ftype", ["Q8_0", "Q4_K_M"])
+def test_quantized_file_holds_the_quantizers_bytes(smollm_like, tmp_path, ftype):
+    out = tmp_path / f"{ftype}.gguf"
+    result = quantize_file(smollm_like, out, ftype)
+    q = read_gguf(out)
+    assert list(q.tensors) == visit_order(list(smollm_like.tensors))
+    assert q.get("general.file_type") == FILE_TYPES[ftype].value
+    assert list(q.kv)[-2:] == ["general.quantization_version", "general.file_type"]
+    assert q.get("tokenizer.ggml.tokens") == smollm_like.get("tokenizer.ggml.tokens")
+    for name, t in q.tensors.items():
+        src = smollm_like.tensor(name)
+        assert t.ggml_type == result.types[name] and t.shape == src.shape
+        x = quants.dequantize(smollm_like.tensor_data(name), src.ggml_type, src.shape)
+        np.testing.assert_array_equal(q.tensor_data(name), quants.quantize(x, t.ggml_type).ravel())
+
+
+def test_requantizing_dequantizes_first_and_copies_same_types(smollm_like, tmp_path):
+    q8 = tmp_path / "q8.gguf"
+    quantize_file(smollm_like, q8, "Q8_0")
+    again = tmp_path / "q8-again.gguf"
+    quantize_file(q8, again, "Q8_0")
+    assert again.read_bytes() == q8.read_bytes()  # every tensor already Q8_0 or F32: copied
+    q4 = tmp_path / "q4.gguf"
+    quantize_file(q8, q4, "Q4_0")
+    f8, f4 = read_gguf(q8), read_gguf(q4)
+    t = f8.tensor("blk.0.attn_q.weight")
+    x = quants.dequantize(f8.tensor_data(t.name), "Q8_0", t.shape)
+    np.testing.assert_array_equal(f4.tensor_data(t.name), quants.quantize(x, "Q4_0").ravel())
+
+
+def test_bad_requests(smollm_like, tmp_path):
+    with pytest.raises(ModelConfigError, match="unknown file type 'Q9_X'"):
+        quantize_file(smollm_like, tmp_path / "x.gguf", "Q9_X")
+    w = GGUFWriter()
+    w.add("general.architecture", "llama")
+    w.add_tensor("blk.0.attn_q.weight", np.zeros((2, 32), np.float32), "F32")
+    w.write(tmp_path / "nolayers.gguf")
+    with pytest.raises(ModelConfigError, match="key not found: llama.block_count"):
+        quantize_file(tmp_path / "nolayers.gguf", tmp_path / "x.gguf", "Q8_0")
+    w = GGUFWriter()
+    w.add("general.architecture", "llama")
+    w.add("llama.block_count", 1)
+    w.add_tensor("blk.0.attn_q.weight", np.zeros((2, 66), np.uint8), "IQ2_XXS", (2, 256))
+    w.write(tmp_path / "iq.gguf")
+    with pytest.raises(UnsupportedTensorTypeError, match="IQ2_XXS"):
+        quantize_file(tmp_path / "iq.gguf", tmp_path / "x.gguf", "Q8_0")
+    assert not (tmp_path / "x.gguf").exists()
