@@ -1,0 +1,41 @@
+"""jax: the GPU arithmetic, with the dequantize-and-multiply step jit-compiled per format."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from qllama.backends.array_api import ArrayBackend, Blocks, Dense
+from qllama.errors import BackendError
+
+# float32 matmuls in full float32 (XLA would otherwise use TF32/bf16 passes on accelerators)
+jax.config.update("jax_default_matmul_precision", "highest")
+
+
+@partial(jax.jit, static_argnums=(2, 3))
+def _dequantize_matmul(x: Any, fields: dict[str, Any], fmt: Any, shape: tuple[int, int]) -> Any:
+    w = jnp.reshape(fmt.dequantize_fields(fields, xp=jnp), shape)
+    return jnp.matmul(x, w.T)
+
+
+class JaxBackend(ArrayBackend):
+    """Weights as blocks on the device; dequantize + matmul compiled by XLA."""
+
+    name: ClassVar[str] = "jax"
+
+    def __init__(self, *, device: str | None = None, dequantize_all: bool = False, **options: Any) -> None:
+        if options:
+            raise BackendError(f"backend jax takes no options {sorted(options)}")
+        try:
+            dev = jax.devices(device)[0] if device else jax.devices()[0]
+        except RuntimeError as e:
+            raise BackendError(f"backend jax has no device {device!r}: {e}") from None
+        super().__init__(jnp, device=dev, dequantize_all=dequantize_all)
+
+    def matmul(self, x: Any, w: Blocks | Dense) -> Any:
+        if isinstance(w, Dense):
+            return jnp.matmul(x, w.w.T)
+        return _dequantize_matmul(x, w.fields, w.fmt, w.tensor.shape)
