@@ -25,8 +25,9 @@ import importlib.metadata
 import importlib.util
 from typing import Any
 
-from qllama import defaults
 from qllama.backends.base import Backend, QuantTensor
+
+from qllama import defaults
 from qllama.errors import BackendError
 
 # name -> (module:class, the package it needs)
@@ -60,7 +61,8 @@ def _load_class(name: str) -> type:
                 f"pip install 'qllama[{package}]'"
             )
     module, _, cls = known[name].partition(":")
-    return getattr(importlib.import_module(module), cls)  # type: ignore[no-any-return]
+    loaded: type = getattr(importlib.import_module(module), cls)
+    return loaded
 
 
 def get_backend(
@@ -73,8 +75,12 @@ def get_backend(
     """Build a backend. Unset arguments come from ``QLLAMA_BACKEND``, ``QLLAMA_DEVICE`` and
     ``QLLAMA_DEQUANTIZE_ALL`` (see :mod:`qllama.defaults`); explicit ones win."""
     cls = _load_class(defaults.backend(name))
-    backend = cls(device=defaults.device(device), dequantize_all=defaults.dequantize_all(dequantize_all), **options)
-    return backend  # type: ignore[no-any-return]
+    backend = cls(
+        device=defaults.device(device),
+        dequantize_all=defaults.dequantize_all(dequantize_all),
+        **options,
+    )
+    return backend
 
 
 __all__ = ["BUILTIN", "Backend", "QuantTensor", "available", "get_backend"]

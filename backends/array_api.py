@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
+from qllama.backends.base import QuantTensor, check_supported
 
 from qllama import quants
-from qllama.backends.base import QuantTensor, check_supported
 from qllama.ggml_types import GGMLType
 from qllama.quants.base import QuantType
 
@@ -70,9 +70,12 @@ class ArrayBackend:
     def prepare(self, tensor: QuantTensor) -> Blocks | Dense:
         check_supported(self, tensor, self.types)
         fmt = quants.get(tensor.ggml_type)
-        fields = {k: self.asarray(v) for k, v in quants.unpack(tensor.data, fmt.ggml_type, tensor.shape).items()}
+        fields = {
+            k: self.asarray(v)
+            for k, v in quants.unpack(tensor.data, fmt.ggml_type, tensor.shape).items()
+        }
         blocks = Blocks(tensor, fmt, fields)
-        if self.dequantize_all:
+        if self.dequantize_all or tensor.ggml_type == GGMLType.F32:  # F32: nothing to widen
             return Dense(tensor, self._widen(blocks))
         return blocks
 

@@ -7,8 +7,8 @@ from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
-
 from qllama.backends.array_api import ArrayBackend, Blocks, Dense
+
 from qllama.errors import BackendError
 
 # float32 matmuls in full float32 (XLA would otherwise use TF32/bf16 passes on accelerators)
@@ -26,7 +26,9 @@ class JaxBackend(ArrayBackend):
 
     name: ClassVar[str] = "jax"
 
-    def __init__(self, *, device: str | None = None, dequantize_all: bool = False, **options: Any) -> None:
+    def __init__(
+        self, *, device: str | None = None, dequantize_all: bool = False, **options: Any
+    ) -> None:
         if options:
             raise BackendError(f"backend jax takes no options {sorted(options)}")
         try:

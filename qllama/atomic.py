@@ -10,6 +10,12 @@ from pathlib import Path
 from typing import IO, Any
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 @contextlib.contextmanager
 def atomic_write(
     path: str | os.PathLike[str], mode: str = "wb", **kwargs: Any
@@ -23,6 +29,7 @@ def atomic_write(
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give what open() would
         with os.fdopen(fd, mode, **kwargs) as f:
             yield f
             f.flush()

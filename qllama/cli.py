@@ -144,6 +144,44 @@ def cmd_fetch(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- generate ---------------------------------------------------------------------------------
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from qllama.loader import load
+
+    options = {}
+    if args.activations:
+        options["activations"] = args.activations
+    model = load(
+        args.file,
+        backend=args.backend,
+        device=args.device,
+        dequantize_all=True if args.dequantize_all else None,
+        n_ctx=args.ctx,
+        **options,
+    )
+    if args.chat:
+        prompt: str | list[int] = model.apply_chat_template(
+            [{"role": "user", "content": args.prompt}]
+        )
+    else:
+        prompt = args.prompt
+    for piece in model.stream(
+        prompt,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop=args.stop or (),
+    ):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
 # --- entry point ------------------------------------------------------------------------------
 
 
@@ -171,6 +209,31 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--cache", help="cache folder (default $QLLAMA_CACHE or the user cache)")
     s.set_defaults(run=cmd_fetch)
 
+    s = sub.add_parser("generate", help="generate text, streamed to stdout")
+    s.add_argument("file")
+    s.add_argument("--prompt", required=True, help="the prompt text")
+    s.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    s.add_argument(
+        "--backend",
+        help="numpy | torch | jax | array_api_strict (default $QLLAMA_BACKEND or numpy)",
+    )
+    s.add_argument("--device", help="cpu | cuda | mps (default $QLLAMA_DEVICE or the backend's)")
+    s.add_argument(
+        "--dequantize-all", action="store_true", help="widen every weight to f32 at load"
+    )
+    s.add_argument(
+        "--activations",
+        choices=["q8", "f32"],
+        help="numpy backend: CPU (q8) or GPU (f32) arithmetic",
+    )
+    s.add_argument("--max-new-tokens", type=int, default=256)
+    s.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
+    s.add_argument("--top-k", type=int, default=0)
+    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("--seed", type=int)
+    s.add_argument("--stop", action="append", help="stop at this text (repeatable)")
+    s.add_argument("--ctx", type=int, help="context length (default: the model's)")
+    s.set_defaults(run=cmd_generate)
     return p
 
 

@@ -103,6 +103,10 @@ class InvalidTokenError(QllamaError):
     """A token id is outside ``[0, n_vocab)``, or the prompt is empty."""
 
 
+class SequenceError(QllamaError):
+    """A forward call's position does not continue the cached sequence."""
+
+
 class NonFiniteLogitsError(QllamaError):
     """The forward pass produced NaN or infinite values."""
 

@@ -137,6 +137,33 @@ def fetch(name: str, *, cache: str | os.PathLike[str] | None = None) -> Path:
     return path
 
 
+def variant(name: str, file_type: str, *, cache: str | os.PathLike[str] | None = None) -> Path:
+    """The model ``name`` re-quantized to ``file_type`` by qllama (built once, then cached).
+
+    ``F32`` is the fetched file dequantized; every other type is quantized from that F32
+    file, as llama-quantize would from an F32 source. The cache records the source's hash;
+    a changed source or a different qllama version rebuilds.
+    """
+    from qllama import __version__
+    from qllama.file_quantizer import file_type as parse_file_type
+    from qllama.file_quantizer import quantize_file
+
+    label = parse_file_type(file_type).label
+    source = fetch(name, cache=cache) if label == "F32" else variant(name, "F32", cache=cache)
+    path = source.parent / "variants" / f"{Path(_source(name).filename).stem}.{label}.gguf"
+    marker = path.with_name(path.name + ".built")
+    stamp = {"source": str(source.name), "source_stamp": _stamp(source), "qllama": __version__}
+    try:
+        if path.exists() and json.loads(marker.read_text()) == {**stamp, "stamp": _stamp(path)}:
+            return path
+    except (OSError, ValueError):
+        pass
+    quantize_file(source, path, label)
+    with atomic_write(marker, "w") as f:
+        json.dump({**stamp, "stamp": _stamp(path)}, f)
+    return path
+
+
 def sha256_file(path: str | os.PathLike[str]) -> str:
     """The sha256 of a file, read in 1 MiB chunks."""
     digest = hashlib.sha256()
@@ -146,4 +173,4 @@ def sha256_file(path: str | os.PathLike[str]) -> str:
     return digest.hexdigest()
 
 
-__all__ = ["MODELS", "ModelSource", "cached_path", "fetch", "sha256_file"]
+__all__ = ["MODELS", "ModelSource", "cached_path", "fetch", "sha256_file", "variant"]

@@ -116,6 +116,14 @@ def test_zero_rows_quantize_to_zero(ggml_vectors):
         assert not quants.dequantize(raw, qtype, (2, 512)).any(), qtype
 
 
+@pytest.mark.parametrize("qtype", [*WEIGHT_TYPES, "Q8_1", "Q8_K", "F32"])
+def test_no_rows(qtype):
+    cls = quants.get(qtype)
+    raw = quants.quantize(np.zeros((0, 512), np.float32), qtype)
+    assert raw.shape == (0, 512 // cls.block_size * cls.type_size)
+    assert quants.dequantize(raw, qtype, (0, 512)).shape == (0, 512)
+
+
 def test_shape_and_type_errors():
     with pytest.raises(TensorShapeError, match="multiple of the Q4_K block size 256"):
         quants.quantize(np.zeros((2, 100), np.float32), "Q4_K")

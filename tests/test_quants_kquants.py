@@ -13,7 +13,8 @@ from hypothesis.extra import numpy as hnp
 from qllama import quants
 from qllama.array_api import to_numpy
 from qllama.quants import kquant_search
-from qllama.quants.kquant_search import make_qkx2_quants, nearest_int, scale_min_k4
+from qllama.quants.kquant_search import make_qkx2_quants, scale_min_k4
+from qllama.quants.rounding import nearest_int
 
 F32 = np.float32
 K_TYPES = ["Q2_K", "Q4_K", "Q5_K", "Q8_K"]
@@ -373,7 +374,10 @@ def test_q8_k_properties(x):
     assert q.max() <= 127 and q.min() >= -127
     np.testing.assert_array_equal(f["bsums"][0], q.reshape(16, 16).sum(axis=1))
     amax = np.abs(x).max()
-    if amax == 0:
+    if amax == 0 or not np.isfinite(F32(127) / amax):
+        # Below 127/FLT_MAX (~3.7e-37) ggml's iscale = -127/max overflows to inf: it stores
+        # d = +-0 and q = 0 (nearest_int(+-inf) is -2**22, whose low byte is 0), checked with
+        # quantize_row_q8_K_ref.
         assert f["d"][0, 0] == 0 and not q.any()
         return
     i = int(np.argmax(np.abs(x)))  # first of the largest magnitudes
@@ -393,6 +397,41 @@ def test_q8_k_simd_is_the_reference():
     np.testing.assert_array_equal(
         quants.quantize(x, "Q8_K", rounding="simd"), quants.quantize(x, "Q8_K")
     )
+
+
+def _extreme_q8k() -> dict[str, np.ndarray]:
+    base = np.cos(np.arange(256, dtype=np.float32)).astype(F32)
+    nan_first = base.copy()
+    nan_first[0] = np.nan
+    inf = base.copy()
+    inf[7] = -np.inf
+    return {
+        "smallest_subnormal": np.full(256, 1e-45, F32),
+        "below_127_over_flt_max": base * F32(1e-37),
+        "above_127_over_flt_max": base * F32(1e-36),
+        "nan_first": nan_first,
+        "inf": inf,
+        "huge": base * F32(3e38),
+    }
+
+
+EXTREME_Q8K = _extreme_q8k()
+# sha256[:16] of quantize_row_q8_K_ref's bytes (ggml's CPU from_float gives the same ones)
+EXTREME_Q8K_DIGESTS = {
+    "smallest_subnormal": "d57f0e190f6b34d4",
+    "below_127_over_flt_max": "d57f0e190f6b34d4",
+    "above_127_over_flt_max": "57f112226c39b1ac",
+    "nan_first": "95329431f47a8ab8",
+    "inf": "9d2e82e7d93b1f36",
+    "huge": "3ed789764116590a",
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXTREME_Q8K_DIGESTS))
+def test_q8_k_blocks_with_nan_inf_tiny_and_huge_values_give_ggmls_bytes(name):
+    with np.errstate(all="ignore"):
+        raw = quants.quantize(EXTREME_Q8K[name], "Q8_K")
+    assert hashlib.sha256(raw.tobytes()).hexdigest()[:16] == EXTREME_Q8K_DIGESTS[name]
 
 
 def test_q8_k_zero_block_writes_zero_bsums():

@@ -7,6 +7,8 @@ the library itself.
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -256,6 +258,90 @@ def test_q8_1_trailing_nan():
     simd = quants.unpack(quants.quantize(x, "Q8_1", rounding="simd"), "Q8_1", x.shape)
     assert simd["d"][0, 0] == np.float16(np.float32(1) / np.float32(127))
     assert simd["qs"][0, 0] == -127 and simd["qs"][0, 31] == -128
+
+
+# --- Q8_0 / Q8_1 on NaN, inf, tiny and huge blocks --------------------------------------------
+
+
+def _extreme_blocks() -> dict[str, np.ndarray]:
+    base = np.linspace(-1, 1, 32, dtype=np.float32)
+
+    def with_values(**at: float) -> np.ndarray:
+        x = base.copy()
+        for i, v in at.items():
+            x[int(i[1:])] = v
+        return x
+
+    payload_nans = np.array([0x7FC12345, 0x7F800001, 0xFFE00000], np.uint32).view(np.float32)
+    x_payload = base.copy()
+    x_payload[[2, 17, 30]] = payload_nans
+    return {
+        "nan_middle": with_values(i10=np.nan),
+        "nan_last": with_values(i31=np.nan),
+        "nan_first": with_values(i0=np.nan),
+        "inf": with_values(i3=np.inf),
+        "both_infs": with_values(i3=np.inf, i20=-np.inf),
+        "inf_and_nan": with_values(i5=np.nan, i6=np.inf),
+        "payload_nans": x_payload,
+        "subnormal": base * np.float32(1e-39),
+        "tiny_normal": base * np.float32(1e-37),
+        "huge": base * np.float32(3e38),
+    }
+
+
+EXTREME_BLOCKS = _extreme_blocks()
+
+# sha256[:16] of the bytes ggml wrote for each block: quantize_row_q8_*_ref ("ref") and the
+# AVX2 from_float ("simd"), through ctypes on llama-cpp-python 0.3.36's libggml.
+EXTREME_DIGESTS = {
+    ("Q8_0", "ref", "nan_middle"): "beaa851c9298e3ab",
+    ("Q8_0", "ref", "nan_last"): "a78a933248cf2512",
+    ("Q8_0", "ref", "nan_first"): "ee18de5c8245a1ae",
+    ("Q8_0", "ref", "inf"): "380ac601ddd28d1a",
+    ("Q8_0", "ref", "both_infs"): "380ac601ddd28d1a",
+    ("Q8_0", "ref", "inf_and_nan"): "380ac601ddd28d1a",
+    ("Q8_0", "ref", "payload_nans"): "1c1271bc6d21e083",
+    ("Q8_0", "ref", "subnormal"): "eb142b0cae0baa72",
+    ("Q8_0", "ref", "tiny_normal"): "eb142b0cae0baa72",
+    ("Q8_0", "ref", "huge"): "13947092dd15066d",
+    ("Q8_0", "simd", "nan_middle"): "3d6180fa331b561e",
+    ("Q8_0", "simd", "nan_last"): "59777bfa5228b6bc",
+    ("Q8_0", "simd", "nan_first"): "9874ff38728d75ac",
+    ("Q8_0", "simd", "inf"): "8a86df0063de8514",
+    ("Q8_0", "simd", "both_infs"): "c35991bc07275a09",
+    ("Q8_0", "simd", "inf_and_nan"): "c8ce6451e84746a3",
+    ("Q8_0", "simd", "payload_nans"): "b01e04f6c388a8be",
+    ("Q8_0", "simd", "subnormal"): "86033d5c469e3af3",
+    ("Q8_0", "simd", "tiny_normal"): "86033d5c469e3af3",
+    ("Q8_0", "simd", "huge"): "13947092dd15066d",
+    ("Q8_1", "ref", "nan_middle"): "f212de32d4da3fee",
+    ("Q8_1", "ref", "nan_last"): "6c9864937081dd32",
+    ("Q8_1", "ref", "nan_first"): "4b1d2cdfe8ccffea",
+    ("Q8_1", "ref", "inf"): "b57f0418740ea667",
+    ("Q8_1", "ref", "both_infs"): "b57f0418740ea667",
+    ("Q8_1", "ref", "inf_and_nan"): "b57f0418740ea667",
+    ("Q8_1", "ref", "payload_nans"): "aef5e3ef4eccb9ae",
+    ("Q8_1", "ref", "subnormal"): "6db65fd59fd356f6",
+    ("Q8_1", "ref", "tiny_normal"): "6db65fd59fd356f6",
+    ("Q8_1", "ref", "huge"): "fba33616327143b2",
+    ("Q8_1", "simd", "nan_middle"): "7fcf4ff4d1dc34e3",
+    ("Q8_1", "simd", "nan_last"): "9f5afe2d5035a835",
+    ("Q8_1", "simd", "nan_first"): "3cd547ad379b1008",
+    ("Q8_1", "simd", "inf"): "39501aa5c67f42c3",
+    ("Q8_1", "simd", "both_infs"): "c41156bd1a73e2d7",
+    ("Q8_1", "simd", "inf_and_nan"): "49cff25551227a81",
+    ("Q8_1", "simd", "payload_nans"): "8e8546069c18f0e3",
+    ("Q8_1", "simd", "subnormal"): "ceab12def24f3d10",
+    ("Q8_1", "simd", "tiny_normal"): "ceab12def24f3d10",
+    ("Q8_1", "simd", "huge"): "fba33616327143b2",
+}
+
+
+@pytest.mark.parametrize(("qtype", "rounding", "name"), sorted(EXTREME_DIGESTS))
+def test_q8_blocks_with_nan_inf_tiny_and_huge_values_give_ggmls_bytes(qtype, rounding, name):
+    with np.errstate(all="ignore"):
+        raw = quants.quantize(EXTREME_BLOCKS[name], qtype, rounding=rounding)
+    assert hashlib.sha256(raw.tobytes()).hexdigest()[:16] == EXTREME_DIGESTS[qtype, rounding, name]
 
 
 # --- F16 / BF16 ---------------------------------------------------------------------------------

@@ -18,8 +18,7 @@ from hypothesis.extra import numpy as hnp
 
 from qllama import quants
 from qllama.array_api import to_numpy
-from qllama.quants.q3_k import make_q3_quants
-from qllama.quants.q6_k import make_qx_quants
+from qllama.quants.kquant_search import make_q3_quants, make_qx_quants
 
 F32 = np.float32
 IDX = np.arange(512)

@@ -105,7 +105,7 @@ def quantize(x: Any, qtype: str | int | GGMLType, *, rounding: Rounding = "ref")
     for start in range(0, blocks.shape[0], step):
         chunk = np.ascontiguousarray(blocks[start : start + step])
         out[start : start + step] = cls.quantize_blocks(chunk, rounding=rounding)
-    return out.reshape(rows.shape[0], -1)
+    return out.reshape(rows.shape[0], n // cls.block_size * cls.type_size)
 
 
 def _blocks(data: Any, cls: type[QuantType], shape: Sequence[int]) -> np.ndarray:

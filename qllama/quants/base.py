@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 import numpy as np
@@ -17,11 +18,49 @@ Fields = dict[str, Any]  # named field arrays of a batch of blocks, numpy or any
 REGISTRY: dict[str, type[QuantType]] = {}
 
 
+@dataclass(frozen=True)
+class IntegerForm:
+    """``n`` weight blocks as ggml's CPU dot products see them: integers, and the floats that
+    scale their exact integer sums (numpy arrays, one row per block).
+
+    The dot product of one block with an activation block ``y`` (int8 ``y.qs``, float
+    ``y.d``; Q8_1 adds ``y.s``, Q8_K ``y.bsums``) is, in integers,
+
+    * ``sumi[s] = sum(q * y.qs)`` over the elements of sub-block ``s`` (the whole block when
+      there are no ``scales``),
+    * ``isum = sum_s scales[s] * sumi[s]`` and ``msum = sum_s mins[s] * sum(y.qs over s)``,
+
+    and then in float32 ``(d*y.d)*isum + m*y.s - (dmin*y.d)*msum``, each term present when
+    its fields are. ggml's generic C accumulates those over the blocks of a row in order;
+    ``lanes`` and ``sumi_first`` record the two places where its order is not that one.
+    """
+
+    q: np.ndarray  # (n, block_size) int8: the integer each element enters the dot product as
+    d: np.ndarray  # (n, 1) float32 block scale, as stored (fp16 widened)
+    bound: int  # the largest |scales * q| the format can hold: proves the float32 sums exact
+    scales: np.ndarray | None = None  # (n, n_sub) integer sub-block scales
+    mins: np.ndarray | None = None  # (n, n_sub) integer sub-block mins, times ``dmin``
+    dmin: np.ndarray | None = None  # (n, 1) float32
+    m: np.ndarray | None = None  # (n, 1) float32 offset of Q4_1/Q5_1, times the stored ``y.s``
+    # ggml's generic Q3_K..Q6_K dot products keep 8 float accumulators, element e going to
+    # e % 8: integer sums per lane, (d*y.d)*isum[lane] added to its accumulator per block,
+    # the accumulators added to the min terms at the end.
+    lanes: int = 1
+    # Q4_0's generic dot product scales as (sumi*d)*y.d, every other as (d*y.d)*sumi.
+    sumi_first: bool = False
+
+    @property
+    def sub_size(self) -> int:
+        """Elements per sub-block (the block size when there are no integer scales)."""
+        n_sub = 1 if self.scales is None else self.scales.shape[1]
+        return int(self.q.shape[1]) // n_sub
+
+
 class QuantType:
     """One GGML block format: its byte layout, how to read it, write it and widen it.
 
     A subclass names its type and its ``vec_dot_type`` in the class statement and is
-    registered under the GGML spelling (``"Q4_K"``). It implements three classmethods:
+    registered under the GGML spelling (``"Q4_K"``). It implements these classmethods:
 
     * ``unpack(blocks)``: ``(n_blocks, type_size)`` uint8 -> named numpy field arrays. This
       is the only place bytes are reinterpreted (the array API has no bitcast), so fp16/bf16
@@ -29,6 +68,8 @@ class QuantType:
     * ``dequantize_fields(fields, xp=...)``: the fields, as arrays of namespace ``xp``,
       -> ``(n_blocks, block_size)`` float32. Array-API only, so numpy, torch, jax and
       array-api-strict give the same values.
+    * ``integer_form(fields)`` (numpy, weight formats with an integer dot product): the
+      numpy fields -> :class:`IntegerForm`, what the CPU arithmetic multiplies.
     * ``quantize_blocks(x)``: ``(n_blocks, block_size)`` float32 -> bytes, bit-exact with
       ggml's reference quantizer (``ggml_quantize_chunk`` without importance matrix).
     """
@@ -59,6 +100,10 @@ class QuantType:
     @classmethod
     def dequantize_fields(cls, fields: Fields, *, xp: Any) -> Any:
         raise NotImplementedError(f"{cls.ggml_type.name} has no dequantize")
+
+    @classmethod
+    def integer_form(cls, fields: Fields) -> IntegerForm:
+        raise NotImplementedError(f"{cls.ggml_type.name} has no integer dot product")
 
     @classmethod
     def quantize_blocks(cls, x: np.ndarray, *, rounding: Rounding = "ref") -> np.ndarray:

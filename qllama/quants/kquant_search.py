@@ -1,49 +1,27 @@
 """What the K-quant weight formats share: ggml's scale search and its 6-bit scale packing.
 
-``make_qkx2_quants`` fits ``x ~ scale * L - the_min`` per sub-block (Q2_K, Q4_K, Q5_K);
+``make_qkx2_quants`` fits ``x ~ scale * L - the_min`` per sub-block (Q2_K, Q4_K, Q5_K),
+``make_qx_quants`` (Q6_K) and ``make_q3_quants`` (Q3_K) fit ``x ~ scale * L`` per group of 16;
 ``pack_scales_k4`` / ``scale_min_k4`` write and read the twelve bytes in which Q4_K and Q5_K
 keep eight 6-bit scales and eight 6-bit mins; ``quantize_k4`` / ``dequantize_k4`` are the
 parts of those two formats that differ only in the bits per value.
 
-The search works on sub-blocks laid out *element-major*, ``(n, n_sub)``: ggml's float32 sums
+The searches work on sub-blocks laid out *element-major*, ``(n, n_sub)``: ggml's float32 sums
 run over the ``n`` elements of one sub-block in index order, so each sum here is a loop of
 ``n`` vector additions across all sub-blocks at once, which is both exact and fast.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from qllama.quants.base import Fields
-from qllama.quants.rounding import F32, fp16, fp16_bytes, seq_sum
+from qllama.quants.base import Fields, IntegerForm
+from qllama.quants.rounding import F32, c_sum, first_absmax, fp16, fp16_bytes, nearest_int
 
-_MAGIC = F32(12582912.0)  # 1.5 * 2**23
 _SEARCH_ELEMENTS = 1 << 17  # elements searched at a time
-
-
-def nearest_int(x: np.ndarray) -> np.ndarray:
-    """ggml ``nearest_int`` bit for bit: add 1.5 * 2**23 and read the low mantissa bits.
-
-    Round half to even where ggml asserts it is valid (|x| <= 4194303). Unlike ``np.rint`` it
-    also reproduces what ggml's release build returns outside that range and for inf / NaN
-    (a degenerate search step divides by zero), so those steps are rejected as in C.
-    """
-    v = np.asarray(x, dtype=F32) + _MAGIC
-    return (v.view(np.int32) & 0x007FFFFF) - 0x00400000
-
-
-def _loop_sum(a: np.ndarray, *, from_zero: bool = True) -> np.ndarray:
-    """Float32 sum over axis 0 in index order, as a C ``+=`` loop.
-
-    ``from_zero`` is ``acc = 0; acc += a[i]`` (differs from starting at ``a[0]`` only in the
-    sign of an all-zero sum); otherwise ``acc = a[0]; acc += a[i], i >= 1``.
-    """
-    acc = a[0] + F32(0) if from_zero else a[0].copy()
-    for row in a[1:]:
-        acc += row
-    return acc
 
 
 def make_qkx2_quants(
@@ -64,10 +42,13 @@ def make_qkx2_quants(
     x = np.asarray(x, dtype=F32)
     w = np.asarray(w, dtype=F32)
     err = np.abs if use_mad else np.square
-    sum_w = _loop_sum(w, from_zero=False)
-    sum_x = _loop_sum(w * x, from_zero=False)
-    mx = np.max(x, axis=0)
-    mn = np.min(x, axis=0)  # the sign of a zero min never reaches the bytes
+    sum_w = c_sum(w, from_zero=False)
+    sum_x = c_sum(w * x, from_zero=False)
+    # C scans `min = max = x[0]; if (x[i] < min) min = x[i]; ...`: a NaN never replaces the
+    # running value, but a NaN x[0] stays. Filling NaNs with x[0] gives both.
+    xs = np.where(np.isnan(x), x[0], x)
+    mx = np.max(xs, axis=0)
+    mn = np.min(xs, axis=0)  # the sign of a zero min never reaches the bytes
     mn = np.where(mn > 0, F32(0), mn)
     flat = mx == mn
 
@@ -76,7 +57,7 @@ def make_qkx2_quants(
         scale = F32(1) / iscale
         lq = np.clip(nearest_int(iscale * (x - mn)), 0, nmax)
         lf = lq.astype(F32)
-        best = _loop_sum(w * err(scale * lf + mn - x))
+        best = c_sum(w * err(scale * lf + mn - x))
         for step in range(nstep + 1):
             # `min` is a running variable in ggml: an accepted step moves it, and every later
             # step measures x - min and max - min from the new value.
@@ -84,16 +65,16 @@ def make_qkx2_quants(
             laux = np.clip(nearest_int((num / (mx - mn)) * (x - mn)), 0, nmax)
             la = laux.astype(F32)
             wl = w * la
-            sum_l = _loop_sum(wl)
-            sum_l2 = _loop_sum(wl * la)
-            sum_xl = _loop_sum(wl * x)
+            sum_l = c_sum(wl)
+            sum_l2 = c_sum(wl * la)
+            sum_xl = c_sum(wl * x)
             det = sum_w * sum_l2 - sum_l * sum_l
             this_scale = (sum_w * sum_xl - sum_x * sum_l) / det
             this_min = (sum_l2 * sum_x - sum_l * sum_xl) / det
             clamp = this_min > 0
             this_min = np.where(clamp, F32(0), this_min)
             this_scale = np.where(clamp, sum_xl / sum_l2, this_scale)
-            cur = _loop_sum(w * err(this_scale * la + this_min - x))
+            cur = c_sum(w * err(this_scale * la + this_min - x))
             take = (det > 0) & (cur < best) & ~flat
             lq = np.where(take, laux, lq)
             best = np.where(take, cur, best)
@@ -105,6 +86,126 @@ def make_qkx2_quants(
     return lq.astype(np.uint8), scale.astype(F32), (-mn).astype(F32)
 
 
+# ggml-quants.c GROUP_MAX_EPS: a group whose largest |x| is below this quantizes to zero
+GROUP_MAX_EPS = F32(1e-15)
+
+
+def make_qx_quants(xt: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
+    """ggml ``make_qx_quants(n, nmax, x, L, rmse_type=1, qw=NULL)`` for many groups at once.
+
+    ``xt`` is ``(n, groups)`` float32, one group per column: element-major, so each step of
+    ggml's sequential loop over a group's n elements is one contiguous row. Returns ``L``
+    ``(n, groups)`` uint8 in ``[0, 2*nmax)`` and the signed scales ``(groups,)`` float32.
+
+    The symmetric scale search: start from iscale = -nmax/max (max = the signed value of
+    largest magnitude), then try 18 nearby iscales and keep the one with the best weighted
+    least-squares fit (weights x**2).
+    """
+    xt = np.asarray(xt, dtype=F32)
+    mx = first_absmax(xt, axis=0)[0]
+    zero = np.abs(mx) < GROUP_MAX_EPS
+    mx = np.where(zero, F32(1), mx)  # the zero groups' results are overwritten below
+    w = xt * xt
+    wx = w * xt
+
+    def fit(iscale: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        # C: sumlx += w*x[i]*l; suml2 += w*l*l, f32 in index order
+        lq = np.clip(nearest_int(iscale * xt), -nmax, nmax - 1).astype(F32)
+        return c_sum(wx * lq), c_sum(w * lq * lq)
+
+    best_iscale = F32(-nmax) / mx
+    sumlx, suml2 = fit(best_iscale)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        scale = np.where(suml2 != 0, sumlx / suml2, F32(0))
+        best = scale * sumlx
+        for step in (*range(-9, 0), *range(1, 10)):
+            iscale = -(F32(nmax) + F32(0.1) * F32(step)) / mx
+            sumlx, suml2 = fit(iscale)
+            better = (suml2 > 0) & (sumlx * sumlx > best * suml2)
+            new_scale = sumlx / suml2
+            best_iscale = np.where(better, iscale, best_iscale)
+            scale = np.where(better, new_scale, scale)
+            best = np.where(better, new_scale * sumlx, best)
+    # L of the accepted iscale is the same expression ggml evaluates when it accepts it
+    lq = np.clip(nearest_int(best_iscale * xt), -nmax, nmax - 1) + nmax
+    lq = np.where(zero, 0, lq).astype(np.uint8)
+    return lq, np.where(zero, F32(0), scale).astype(F32)
+
+
+def make_q3_quants(xt: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
+    """ggml ``make_q3_quants(n, nmax, x, L, do_rmse=true)`` for many groups at once.
+
+    ``xt`` is ``(n, groups)`` float32, element-major (one group per column). Returns ``L``
+    ``(n, groups)`` uint8 in ``[0, 2*nmax)`` (0 for an all-zero group, not nmax) and the
+    scales ``(groups,)`` float32.
+
+    After the plain iscale = -nmax/max rounding, ggml re-optimises each element in turn (up
+    to 5 passes; weights x**2), accepting a new level when it improves sumlx**2/suml2, and
+    stops a group after a pass that changed nothing. The passes stay sequential over the n
+    elements because every accepted change moves the running sums the next element sees;
+    groups advance in lockstep, and a group that has stopped is masked out.
+    """
+    xt = np.asarray(xt, dtype=F32)
+    n = xt.shape[0]
+    mx = first_absmax(xt, axis=0)[0]
+    zero = np.abs(mx) < GROUP_MAX_EPS
+    iscale = F32(-nmax) / np.where(zero, F32(1), mx)
+    lq = np.clip(nearest_int(iscale * xt), -nmax, nmax - 1).astype(F32)
+    w = xt * xt
+    wx = w * xt
+    sumlx = c_sum(wx * lq)  # C: sumlx += w*x[i]*l; suml2 += w*l*l
+    suml2 = c_sum(w * lq * lq)
+
+    # Only the still-active groups are gathered for a pass. Those whose max is positive stop
+    # after the first: every w*x*l term has the sign of -max, so slx > 0 never holds.
+    active = np.flatnonzero(~zero)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        for _ in range(5):
+            if active.size == 0:
+                break
+            x_a, w_a, wx_a, l_a = xt[:, active], w[:, active], wx[:, active], lq[:, active]
+            slx_a, sl2_a = sumlx[active], suml2[active]
+            changed = np.zeros(active.size, dtype=bool)
+            for i in range(n):
+                li = l_a[i]
+                slx = slx_a - wx_a[i] * li  # the sums without element i
+                sl2 = sl2_a - w_a[i] * li * li
+                new_l = np.clip(nearest_int(x_a[i] * sl2 / slx), -nmax, nmax - 1).astype(F32)
+                tried = (slx > 0) & (new_l != li)
+                slx = slx + wx_a[i] * new_l
+                sl2 = sl2 + w_a[i] * new_l * new_l
+                take = tried & (sl2 > 0) & (slx * slx * sl2_a > slx_a * slx_a * sl2)
+                l_a[i] = np.where(take, new_l, li)
+                slx_a = np.where(take, slx, slx_a)
+                sl2_a = np.where(take, sl2, sl2_a)
+                changed |= take
+            lq[:, active], sumlx[active], suml2[active] = l_a, slx_a, sl2_a
+            active = active[changed]
+        scale = np.where(suml2 > 0, sumlx / suml2, F32(0))
+    lq = np.where(zero, 0, lq + nmax).astype(np.uint8)
+    return lq, np.where(zero, F32(0), scale).astype(F32)
+
+
+@np.errstate(over="ignore", invalid="ignore", divide="ignore")
+def quantize_groups_16(
+    x: np.ndarray,
+    search: Callable[[np.ndarray, int], tuple[np.ndarray, np.ndarray]],
+    nmax: int,
+    finish: Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray],
+) -> np.ndarray:
+    """Q3_K / Q6_K: run a symmetric search (:func:`make_q3_quants`, :func:`make_qx_quants`) on
+    the sixteen 16-element groups of each ``(n_blocks, 256)`` block, then
+    ``finish(x, L, scales)`` (``(n_blocks, 16, 16)`` twice, ``(n_blocks, 16)``) -> bytes.
+
+    C overflows silently (huge inputs give an inf fp16 d, then inf/NaN steps ggml takes too),
+    so numpy's warnings are off for both.
+    """
+    nb = x.shape[0]
+    xs = x.reshape(nb, 16, 16)
+    lq, scales = search(np.ascontiguousarray(xs.reshape(-1, 16).T), nmax)
+    return finish(xs, lq.T.reshape(nb, 16, 16), scales.reshape(nb, 16))
+
+
 def super_scale(values: np.ndarray, levels: int) -> tuple[np.ndarray, np.ndarray]:
     """Per super-block: ``max(0, values)`` over axis 1 and its quantization to ``levels``.
 
@@ -112,8 +213,8 @@ def super_scale(values: np.ndarray, levels: int) -> tuple[np.ndarray, np.ndarray
     narrows it as ggml's store does) and ``d`` (``(n, 1)`` float32, ``fp16(max / levels)``
     read back).
     """
-    top = np.max(values, axis=1, keepdims=True)
-    top = np.where(top > 0, top, F32(0))  # ggml's scan starts at 0 and keeps strict maxima
+    # ggml's scan starts at 0 and keeps strict maxima, so NaNs and negatives never count
+    top = np.max(np.where(values > 0, values, F32(0)), axis=1, keepdims=True)
     with np.errstate(divide="ignore"):
         inv = np.where(top > 0, F32(levels) / top, F32(0)).astype(F32)
     q = nearest_int(inv * values)
@@ -173,19 +274,28 @@ def scale_min_k4(scales: Any, *, xp: Any) -> tuple[Any, Any]:
 def requantize(
     x: np.ndarray,
     dd: np.ndarray,
-    dm: np.ndarray,
     lq: np.ndarray,
-    nmax: int,
+    *,
+    lo: int,
+    hi: int,
+    dm: np.ndarray | None = None,
 ) -> np.ndarray:
-    """ggml's last pass: ``L = clamp(nearest_int((x + dm) / dd), 0, nmax)`` from stored scales.
+    """ggml's last pass over the stored scales: ``L = clamp(nearest_int((x + dm) / dd), lo, hi)
+    - lo`` (``dm`` only for the formats with a min: Q2_K, Q4_K, Q5_K).
 
     ``x``: ``(n_blocks, n_sub, n)``; ``dd``, ``dm``: ``(n_blocks, n_sub)`` float32 (stored
-    super-scale times the 4/6-bit sub-scale); ``lq``: the search's L, same shape as ``x``.
+    super-scale times the integer sub-scale); ``lq``: the search's L, same shape as ``x``.
     Sub-blocks with ``dd == 0`` keep ``lq``: ggml skips them, leaving the search's values.
+
+    Known divergence, NaN payloads only: where ``x`` is a NaN with payload bits and ``dm`` is
+    NaN too (an inf fp16 dmin times a zero min), ggml's x86 build keeps ``x``'s NaN for the
+    first 28 elements of each 32-element loop and ``dm``'s for the last 4 (its vectorised
+    loop and scalar tail order the addition differently); here ``x``'s NaN always wins.
     """
     keep = dd == 0
     den = np.where(keep, F32(1), dd)[..., None]
-    q = np.clip(nearest_int((x + dm[..., None]) / den), 0, nmax)
+    num = x if dm is None else x + dm[..., None]
+    q = np.clip(nearest_int(num / den), lo, hi) - lo
     return np.where(keep[..., None], lq, q).astype(np.uint8)
 
 
@@ -230,13 +340,13 @@ def quantize_k4(
     nb = x.shape[0]
     sub = x.reshape(nb, 8, 32)
     # weights: RMS of the sub-block plus |x|
-    av_x = np.sqrt(seq_sum(sub * sub) / F32(32))
+    av_x = np.sqrt(c_sum(np.moveaxis(sub * sub, -1, 0)) / F32(32))
     w = av_x[..., None] + np.abs(sub)
     lq, scales, mins = search_sub_blocks(
         x, w.reshape(nb, 256), 32, nmax=nmax, rmin=rmin, rdelta=0.1, nstep=nstep, use_mad=False
     )
     ls, lm, d, dmin = quantize_scales_k4(scales, mins)
-    lq = requantize(sub, d * ls.astype(F32), dmin * lm.astype(F32), lq, nmax)
+    lq = requantize(sub, d * ls.astype(F32), lq, lo=0, hi=nmax, dm=dmin * lm.astype(F32))
     header = np.concatenate([fp16_bytes(d), fp16_bytes(dmin), pack_scales_k4(ls, lm)], axis=1)
     return header, lq
 
@@ -252,6 +362,20 @@ def nibbles_k4(qs: Any, *, xp: Any) -> Any:
     ``l`` of sub-block ``2c`` in its low nibble and of sub-block ``2c + 1`` in its high one."""
     q = xp.reshape(qs, (qs.shape[0], 4, 1, 32))
     return xp.reshape(xp.concat([q & 15, q >> 4], axis=2), (qs.shape[0], 8, 32))
+
+
+def integer_form_k4(fields: Fields, q: np.ndarray, *, bound: int) -> IntegerForm:
+    """Q4_K / Q5_K as their dot products see them: ``q`` ``(n, 8, 32)`` and the fields."""
+    sc, m = scale_min_k4(fields["scales"], xp=np)
+    return IntegerForm(
+        q=q.reshape(-1, 256).astype(np.int8),
+        d=fields["d"],
+        scales=sc,
+        mins=m,
+        dmin=fields["dmin"],
+        bound=bound,
+        lanes=8,
+    )
 
 
 def dequantize_k4(fields: Fields, q: Any, *, xp: Any) -> Any:

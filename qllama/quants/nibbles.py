@@ -1,6 +1,6 @@
 """What the legacy 32-blocks (Q4_0, Q4_1, Q5_0, Q5_1) share: nibble and fifth-bit packing,
-the ``q*d + m`` of the ``_1`` types, and the scans and float-to-int casts of their reference
-quantizers.
+the ``q*d + m`` of the ``_1`` types, and the two reference quantizers (symmetric for the
+``_0`` types, min-offset for the ``_1`` types).
 
 In every one of these blocks element ``j`` of the first half sits in the low nibble of
 ``qs[j]`` and element ``j + 16`` in its high nibble. Q5's ``qh`` is a little-endian u32 whose
@@ -14,10 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from qllama.quants.rounding import F32
+from qllama.quants.rounding import F32, c_int32, first_absmax, safe_reciprocal
 
 FLT_MAX = F32(np.finfo(np.float32).max)
-_INT32_MIN = np.int32(np.iinfo(np.int32).min)
 
 
 # --- reading (array API only: these run in every namespace) -------------------------------
@@ -32,6 +31,12 @@ def fifth_bits(qh: Any, *, xp: Any) -> Any:
     """``(n, 4)`` uint8 ``qh`` -> ``(n, 32)`` uint8: ``0x10`` where element e's bit is set."""
     bits = xp.stack([((qh >> k) & 1) << 4 for k in range(8)], axis=-1)  # (n, 4 bytes, 8 bits)
     return xp.reshape(bits, (qh.shape[0], 32))
+
+
+def codes(fields: Any, *, xp: Any) -> Any:
+    """The unsigned 4-bit (5-bit where there is a ``qh``) code of each element, ``(n, 32)``."""
+    q = split_nibbles(fields["qs"], xp=xp)
+    return q | fifth_bits(fields["qh"], xp=xp) if "qh" in fields else q
 
 
 def scale_and_offset(q: Any, d: Any, m: Any, *, xp: Any) -> Any:
@@ -58,27 +63,37 @@ def pack_fifth_bits(q: np.ndarray) -> np.ndarray:
     return np.packbits((q >> 4) & 1, axis=1, bitorder="little")
 
 
-def c_int32(t: np.ndarray) -> np.ndarray:
-    """C's float -> int cast on x86 (``cvttss2si``/``cvttps2dq``): truncate toward zero.
+def quantize_symmetric(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_0 (``nmax`` 15) / Q5_0 (31): ``(n, 32)`` float32 -> f32 ``d`` and the codes.
 
-    NaN and values outside int32 give INT32_MIN, the "integer indefinite" these instructions
-    return; ggml reaches that only when a block's scale is so small that ``1/d`` overflows.
+    The signed extreme maps to code 0 exactly, so d carries the sign of -max. The code is
+    ``(int8_t)(x*id + half + 0.5f)`` capped at nmax: truncation of a non-negative value, i.e.
+    round half up (this x86 build does not contract it to an FMA; the test vectors agree).
+    C overflows silently where a tiny d has no finite reciprocal; so do we.
     """
-    ok = (t >= F32(-(2.0**31))) & (t < F32(2.0**31))  # False for NaN
-    return np.where(ok, np.where(ok, t, F32(0)).astype(np.int32), _INT32_MIN)
+    half = (nmax + 1) // 2
+    d = first_absmax(x, axis=1) / F32(-half)
+    with np.errstate(over="ignore", invalid="ignore"):
+        t = x * safe_reciprocal(d) + F32(half + 0.5)
+    return d, np.minimum(c_int32(t).astype(np.int8), nmax).astype(np.uint8)
 
 
-def signed_absmax(x: np.ndarray) -> np.ndarray:
-    """Q4_0/Q5_0's scan: the first value of strictly largest |x|, ``+0.0`` if none is > 0.
+def quantize_offset(
+    x: np.ndarray, nmax: int, *, capped: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_1 (``nmax`` 15) / Q5_1 (31): ``(n, 32)`` float32 -> f32 ``d``, ``min`` and the codes.
 
-    ``amax < fabsf(v)`` is false for NaN, so NaNs are skipped; the start value is +0.0, so an
-    all-zero block gives +0.0 even if its zeros are negative (and d = -0.0).
+    Quantized against the f32 min and d, not the stored fp16 ones: ``(x - min)*id + 0.5f``
+    truncated into a C integer. Q4_1 (``capped``) stores ``MIN(15, (int8_t)t)``; Q5_1 stores
+    ``(uint8_t)t`` unclamped, keeping the low byte. Infinities and overflow make NaNs
+    silently in C, and here.
     """
-    a = np.abs(x)
-    a = np.where(np.isnan(a), F32(0), a)
-    idx = np.argmax(a, axis=1)[:, None]  # first occurrence, as the strict < keeps the first
-    best = np.take_along_axis(x, idx, axis=1)
-    return np.where(np.take_along_axis(a, idx, axis=1) > 0, best, F32(0)).astype(F32)
+    mn, mx = min_max(x)
+    with np.errstate(over="ignore", invalid="ignore"):
+        d = (mx - mn) / F32(nmax)
+        t = c_int32((x - mn) * safe_reciprocal(d) + F32(0.5))
+    q = np.minimum(t.astype(np.int8), nmax).astype(np.uint8) if capped else t.astype(np.uint8)
+    return d, mn, q
 
 
 def min_max(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

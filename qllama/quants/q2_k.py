@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from qllama.ggml_types import GGMLType
-from qllama.quants.base import Fields, QuantType, Rounding
+from qllama.quants.base import Fields, IntegerForm, QuantType, Rounding
 from qllama.quants.kquant_search import requantize, search_sub_blocks, super_scale
 from qllama.quants.rounding import F32, fp16_bytes, read_fp16
 
@@ -40,15 +40,33 @@ class Q2_K(QuantType, ggml_type=GGMLType.Q2_K, vec_dot_type="Q8_K"):
         }
 
     @classmethod
+    def codes(cls, fields: Fields, *, xp: Any) -> Any:
+        """The 2-bit value of each element, ``(n, 16, 16)`` uint8 by sub-block."""
+        qs = xp.reshape(fields["qs"], (fields["qs"].shape[0], 2, 32))
+        q = xp.stack([(qs >> (2 * j)) & 3 for j in range(4)], axis=2)
+        return xp.reshape(q, (qs.shape[0], 16, 16))
+
+    @classmethod
     def dequantize_fields(cls, fields: Fields, *, xp: Any) -> Any:
         n = fields["qs"].shape[0]
         scales = fields["scales"]
         d = fields["d"] * xp.astype(scales & 15, xp.float32)
         dm = fields["dmin"] * xp.astype(scales >> 4, xp.float32)
-        qs = xp.reshape(fields["qs"], (n, 2, 32))
-        q = xp.reshape(xp.stack([(qs >> (2 * j)) & 3 for j in range(4)], axis=2), (n, 16, 16))
-        y = xp.reshape(d, (n, 16, 1)) * xp.astype(q, xp.float32) - xp.reshape(dm, (n, 16, 1))
+        q = xp.astype(cls.codes(fields, xp=xp), xp.float32)
+        y = xp.reshape(d, (n, 16, 1)) * q - xp.reshape(dm, (n, 16, 1))
         return xp.reshape(y, (n, 256))
+
+    @classmethod
+    def integer_form(cls, fields: Fields) -> IntegerForm:
+        scales = fields["scales"]
+        return IntegerForm(
+            q=cls.codes(fields, xp=np).reshape(-1, 256).astype(np.int8),
+            d=fields["d"],
+            scales=scales & 15,
+            mins=scales >> 4,
+            dmin=fields["dmin"],
+            bound=15 * 3,
+        )
 
     @classmethod
     def quantize_blocks(cls, x: np.ndarray, *, rounding: Rounding = "ref") -> np.ndarray:
@@ -63,7 +81,7 @@ class Q2_K(QuantType, ggml_type=GGMLType.Q2_K, vec_dot_type="Q8_K"):
         packed = ((ls & 0xFF) | ((lm << 4) & 0xFF)).astype(np.uint8)
         dd = d * (packed & 15).astype(F32)
         dm = dmin * (packed >> 4).astype(F32)
-        lq = requantize(x.reshape(nb, 16, 16), dd, dm, lq, 3)
+        lq = requantize(x.reshape(nb, 16, 16), dd, lq, lo=0, hi=3, dm=dm)
         # (nb, 2, 4, 32): the four 32-runs of a 128 half share bytes, run j at bits 2j
         runs = lq.reshape(nb, 2, 4, 32) << (2 * np.arange(4, dtype=np.uint8))[:, None]
         out = np.empty((nb, cls.type_size), dtype=np.uint8)

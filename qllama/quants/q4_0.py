@@ -7,10 +7,9 @@ from typing import Any
 import numpy as np
 
 from qllama.ggml_types import GGMLType
-from qllama.quants.base import Fields, QuantType, Rounding
-from qllama.quants.f16 import ggml_fp16_bytes
-from qllama.quants.nibbles import c_int32, pack_nibbles, signed_absmax, split_nibbles
-from qllama.quants.rounding import F32, read_fp16, safe_reciprocal
+from qllama.quants.base import Fields, IntegerForm, QuantType, Rounding
+from qllama.quants.nibbles import codes, pack_nibbles, quantize_symmetric
+from qllama.quants.rounding import fp16_bytes, read_fp16
 
 
 class Q4_0(QuantType, ggml_type=GGMLType.Q4_0, vec_dot_type="Q8_0"):
@@ -33,21 +32,18 @@ class Q4_0(QuantType, ggml_type=GGMLType.Q4_0, vec_dot_type="Q8_0"):
 
     @classmethod
     def dequantize_fields(cls, fields: Fields, *, xp: Any) -> Any:
-        q = xp.astype(split_nibbles(fields["qs"], xp=xp), xp.float32)
-        return (q - 8.0) * fields["d"]
+        return (xp.astype(codes(fields, xp=xp), xp.float32) - 8.0) * fields["d"]
+
+    @classmethod
+    def integer_form(cls, fields: Fields) -> IntegerForm:
+        q = codes(fields, xp=np).astype(np.int8) - np.int8(8)
+        return IntegerForm(q=q, d=fields["d"], bound=8, sumi_first=True)
 
     @classmethod
     def quantize_blocks(cls, x: np.ndarray, *, rounding: Rounding = "ref") -> np.ndarray:
         cls._check_rounding(rounding)
-        # the signed extreme maps to q = 0 exactly, so d carries the sign of -max
-        d = signed_absmax(x) / F32(-8)
-        # (int8_t)(x*id + 8.5f): truncation of a non-negative value, i.e. round half up.
-        # This x86 build does not contract it to an FMA (the test vectors agree). C overflows
-        # silently where a tiny d has no finite reciprocal; so do we.
-        with np.errstate(over="ignore", invalid="ignore"):
-            t = x * safe_reciprocal(d) + F32(8.5)
-        q = np.minimum(c_int32(t).astype(np.int8), 15).astype(np.uint8)
+        d, q = quantize_symmetric(x, 15)
         out = np.empty((x.shape[0], cls.type_size), dtype=np.uint8)
-        out[:, :2] = ggml_fp16_bytes(d)
+        out[:, :2] = fp16_bytes(d)
         out[:, 2:] = pack_nibbles(q)
         return out

@@ -7,16 +7,9 @@ from typing import Any
 import numpy as np
 
 from qllama.ggml_types import GGMLType
-from qllama.quants.base import Fields, QuantType, Rounding
-from qllama.quants.f16 import ggml_fp16_bytes
-from qllama.quants.nibbles import (
-    c_int32,
-    min_max,
-    pack_nibbles,
-    scale_and_offset,
-    split_nibbles,
-)
-from qllama.quants.rounding import F32, read_fp16, safe_reciprocal
+from qllama.quants.base import Fields, IntegerForm, QuantType, Rounding
+from qllama.quants.nibbles import codes, pack_nibbles, quantize_offset, scale_and_offset
+from qllama.quants.rounding import fp16_bytes, read_fp16
 
 
 class Q4_1(QuantType, ggml_type=GGMLType.Q4_1, vec_dot_type="Q8_1"):
@@ -42,21 +35,19 @@ class Q4_1(QuantType, ggml_type=GGMLType.Q4_1, vec_dot_type="Q8_1"):
 
     @classmethod
     def dequantize_fields(cls, fields: Fields, *, xp: Any) -> Any:
-        q = split_nibbles(fields["qs"], xp=xp)
-        return scale_and_offset(q, fields["d"], fields["m"], xp=xp)
+        return scale_and_offset(codes(fields, xp=xp), fields["d"], fields["m"], xp=xp)
+
+    @classmethod
+    def integer_form(cls, fields: Fields) -> IntegerForm:
+        q = codes(fields, xp=np).astype(np.int8)
+        return IntegerForm(q=q, d=fields["d"], m=fields["m"], bound=15)
 
     @classmethod
     def quantize_blocks(cls, x: np.ndarray, *, rounding: Rounding = "ref") -> np.ndarray:
         cls._check_rounding(rounding)
-        mn, mx = min_max(x)
-        # quantized against the f32 min and d, not the stored fp16 ones; clamped at 15.
-        # Infinities and overflow make NaNs silently in C, and here.
-        with np.errstate(over="ignore", invalid="ignore"):
-            d = (mx - mn) / F32(15)
-            t = (x - mn) * safe_reciprocal(d) + F32(0.5)
-        q = np.minimum(c_int32(t).astype(np.int8), 15).astype(np.uint8)
+        d, mn, q = quantize_offset(x, 15, capped=True)
         out = np.empty((x.shape[0], cls.type_size), dtype=np.uint8)
-        out[:, :2] = ggml_fp16_bytes(d)
-        out[:, 2:4] = ggml_fp16_bytes(mn)
+        out[:, :2] = fp16_bytes(d)
+        out[:, 2:4] = fp16_bytes(mn)
         out[:, 4:] = pack_nibbles(q)
         return out

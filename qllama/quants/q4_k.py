@@ -7,8 +7,14 @@ from typing import Any
 import numpy as np
 
 from qllama.ggml_types import GGMLType
-from qllama.quants.base import Fields, QuantType, Rounding
-from qllama.quants.kquant_search import dequantize_k4, nibbles_k4, pack_nibbles_k4, quantize_k4
+from qllama.quants.base import Fields, IntegerForm, QuantType, Rounding
+from qllama.quants.kquant_search import (
+    dequantize_k4,
+    integer_form_k4,
+    nibbles_k4,
+    pack_nibbles_k4,
+    quantize_k4,
+)
 from qllama.quants.rounding import read_fp16
 
 
@@ -39,6 +45,10 @@ class Q4_K(QuantType, ggml_type=GGMLType.Q4_K, vec_dot_type="Q8_K"):
     @classmethod
     def dequantize_fields(cls, fields: Fields, *, xp: Any) -> Any:
         return dequantize_k4(fields, nibbles_k4(fields["qs"], xp=xp), xp=xp)
+
+    @classmethod
+    def integer_form(cls, fields: Fields) -> IntegerForm:
+        return integer_form_k4(fields, nibbles_k4(fields["qs"], xp=np), bound=63 * 15)
 
     @classmethod
     def quantize_blocks(cls, x: np.ndarray, *, rounding: Rounding = "ref") -> np.ndarray:

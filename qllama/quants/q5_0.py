@@ -7,17 +7,9 @@ from typing import Any
 import numpy as np
 
 from qllama.ggml_types import GGMLType
-from qllama.quants.base import Fields, QuantType, Rounding
-from qllama.quants.f16 import ggml_fp16_bytes
-from qllama.quants.nibbles import (
-    c_int32,
-    fifth_bits,
-    pack_fifth_bits,
-    pack_nibbles,
-    signed_absmax,
-    split_nibbles,
-)
-from qllama.quants.rounding import F32, read_fp16, safe_reciprocal
+from qllama.quants.base import Fields, IntegerForm, QuantType, Rounding
+from qllama.quants.nibbles import codes, pack_fifth_bits, pack_nibbles, quantize_symmetric
+from qllama.quants.rounding import fp16_bytes, read_fp16
 
 
 class Q5_0(QuantType, ggml_type=GGMLType.Q5_0, vec_dot_type="Q8_0"):
@@ -40,19 +32,19 @@ class Q5_0(QuantType, ggml_type=GGMLType.Q5_0, vec_dot_type="Q8_0"):
 
     @classmethod
     def dequantize_fields(cls, fields: Fields, *, xp: Any) -> Any:
-        q = split_nibbles(fields["qs"], xp=xp) | fifth_bits(fields["qh"], xp=xp)
-        return (xp.astype(q, xp.float32) - 16.0) * fields["d"]
+        return (xp.astype(codes(fields, xp=xp), xp.float32) - 16.0) * fields["d"]
+
+    @classmethod
+    def integer_form(cls, fields: Fields) -> IntegerForm:
+        q = codes(fields, xp=np).astype(np.int8) - np.int8(16)
+        return IntegerForm(q=q, d=fields["d"], bound=16)
 
     @classmethod
     def quantize_blocks(cls, x: np.ndarray, *, rounding: Rounding = "ref") -> np.ndarray:
         cls._check_rounding(rounding)
-        d = signed_absmax(x) / F32(-16)
-        # (int8_t)(x*id + 16.5f), no FMA on x86: round half up, as Q4_0
-        with np.errstate(over="ignore", invalid="ignore"):
-            t = x * safe_reciprocal(d) + F32(16.5)
-        q = np.minimum(c_int32(t).astype(np.int8), 31).astype(np.uint8)
+        d, q = quantize_symmetric(x, 31)
         out = np.empty((x.shape[0], cls.type_size), dtype=np.uint8)
-        out[:, :2] = ggml_fp16_bytes(d)
+        out[:, :2] = fp16_bytes(d)
         out[:, 2:6] = pack_fifth_bits(q)
         out[:, 6:] = pack_nibbles(q & 0x0F)
         return out

@@ -7,18 +7,15 @@ from typing import Any
 import numpy as np
 
 from qllama.ggml_types import GGMLType
-from qllama.quants.base import Fields, QuantType, Rounding
-from qllama.quants.f16 import ggml_fp16_bytes
+from qllama.quants.base import Fields, IntegerForm, QuantType, Rounding
 from qllama.quants.nibbles import (
-    c_int32,
-    fifth_bits,
-    min_max,
+    codes,
     pack_fifth_bits,
     pack_nibbles,
+    quantize_offset,
     scale_and_offset,
-    split_nibbles,
 )
-from qllama.quants.rounding import F32, read_fp16, safe_reciprocal
+from qllama.quants.rounding import fp16_bytes, read_fp16
 
 
 class Q5_1(QuantType, ggml_type=GGMLType.Q5_1, vec_dot_type="Q8_1"):
@@ -46,21 +43,20 @@ class Q5_1(QuantType, ggml_type=GGMLType.Q5_1, vec_dot_type="Q8_1"):
 
     @classmethod
     def dequantize_fields(cls, fields: Fields, *, xp: Any) -> Any:
-        q = split_nibbles(fields["qs"], xp=xp) | fifth_bits(fields["qh"], xp=xp)
-        return scale_and_offset(q, fields["d"], fields["m"], xp=xp)
+        return scale_and_offset(codes(fields, xp=xp), fields["d"], fields["m"], xp=xp)
+
+    @classmethod
+    def integer_form(cls, fields: Fields) -> IntegerForm:
+        q = codes(fields, xp=np).astype(np.int8)
+        return IntegerForm(q=q, d=fields["d"], m=fields["m"], bound=31)
 
     @classmethod
     def quantize_blocks(cls, x: np.ndarray, *, rounding: Rounding = "ref") -> np.ndarray:
         cls._check_rounding(rounding)
-        mn, mx = min_max(x)
-        # (uint8_t)((x - min)*id + 0.5f): unlike Q4_1 no clamp; the low byte is kept
-        with np.errstate(over="ignore", invalid="ignore"):
-            d = (mx - mn) / F32(31)
-            t = (x - mn) * safe_reciprocal(d) + F32(0.5)
-        q = c_int32(t).astype(np.uint8)
+        d, mn, q = quantize_offset(x, 31, capped=False)
         out = np.empty((x.shape[0], cls.type_size), dtype=np.uint8)
-        out[:, :2] = ggml_fp16_bytes(d)
-        out[:, 2:4] = ggml_fp16_bytes(mn)
+        out[:, :2] = fp16_bytes(d)
+        out[:, 2:4] = fp16_bytes(mn)
         out[:, 4:8] = pack_fifth_bits(q)
         out[:, 8:] = pack_nibbles(q & 0x0F)
         return out

@@ -7,8 +7,14 @@ from typing import Any
 import numpy as np
 
 from qllama.ggml_types import GGMLType
-from qllama.quants.base import Fields, QuantType, Rounding
-from qllama.quants.kquant_search import dequantize_k4, nibbles_k4, pack_nibbles_k4, quantize_k4
+from qllama.quants.base import Fields, IntegerForm, QuantType, Rounding
+from qllama.quants.kquant_search import (
+    dequantize_k4,
+    integer_form_k4,
+    nibbles_k4,
+    pack_nibbles_k4,
+    quantize_k4,
+)
 from qllama.quants.rounding import read_fp16
 
 
@@ -38,12 +44,21 @@ class Q5_K(QuantType, ggml_type=GGMLType.Q5_K, vec_dot_type="Q8_K"):
         }
 
     @classmethod
-    def dequantize_fields(cls, fields: Fields, *, xp: Any) -> Any:
+    def codes(cls, fields: Fields, *, xp: Any) -> Any:
+        """The unsigned 5-bit value of each element, ``(n, 8, 32)`` uint8 by sub-block."""
         n = fields["qs"].shape[0]
         # sub-block s takes its fifth bit from bit s of qh[l]
         qh = xp.reshape(fields["qh"], (n, 1, 32))
         top = xp.concat([(qh >> s) & 1 for s in range(8)], axis=1)
-        return dequantize_k4(fields, nibbles_k4(fields["qs"], xp=xp) | (top << 4), xp=xp)
+        return nibbles_k4(fields["qs"], xp=xp) | (top << 4)
+
+    @classmethod
+    def dequantize_fields(cls, fields: Fields, *, xp: Any) -> Any:
+        return dequantize_k4(fields, cls.codes(fields, xp=xp), xp=xp)
+
+    @classmethod
+    def integer_form(cls, fields: Fields) -> IntegerForm:
+        return integer_form_k4(fields, cls.codes(fields, xp=np), bound=63 * 31)
 
     @classmethod
     def quantize_blocks(cls, x: np.ndarray, *, rounding: Rounding = "ref") -> np.ndarray:

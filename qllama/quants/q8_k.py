@@ -8,8 +8,7 @@ import numpy as np
 
 from qllama.ggml_types import GGMLType
 from qllama.quants.base import Fields, QuantType, Rounding
-from qllama.quants.kquant_search import nearest_int
-from qllama.quants.rounding import F32, first_absmax, read_fp32
+from qllama.quants.rounding import F32, first_absmax, nearest_int, read_fp32
 
 
 class Q8_K(QuantType, ggml_type=GGMLType.Q8_K, vec_dot_type="Q8_K"):
@@ -43,12 +42,14 @@ class Q8_K(QuantType, ggml_type=GGMLType.Q8_K, vec_dot_type="Q8_K"):
     @classmethod
     def quantize_blocks(cls, x: np.ndarray, *, rounding: Rounding = "ref") -> np.ndarray:
         cls._check_rounding(rounding)
-        top = first_absmax(x)  # signed, first of equal magnitudes
+        top = first_absmax(x, axis=1)  # signed, first of equal magnitudes; NaNs skipped
         zero = top == 0
-        with np.errstate(divide="ignore"):
-            iscale = np.where(zero, F32(0), F32(-127) / top).astype(F32)
-            d = np.where(zero, F32(0), F32(1) / iscale).astype(F32)
-        q = np.minimum(nearest_int(iscale * x), 127).astype(np.int8)
+        # A max below 127/FLT_MAX (~3.7e-37) overflows iscale to inf: ggml then stores d = +-0
+        # and q = 0 (nearest_int of +-inf or NaN is -2**22 or 0, whose low byte is 0).
+        with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+            iscale = np.where(zero, F32(0), F32(-127) / np.where(zero, F32(1), top)).astype(F32)
+            d = np.where(zero, F32(0), F32(1) / np.where(zero, F32(1), iscale)).astype(F32)
+            q = np.minimum(nearest_int(iscale * x), 127).astype(np.int8)
         # ggml leaves bsums of an all-zero block unwritten; zero is what a fresh buffer holds
         bsums = q.reshape(-1, 16, 16).sum(axis=2, dtype=np.int16)
         out = np.empty((x.shape[0], cls.type_size), dtype=np.uint8)

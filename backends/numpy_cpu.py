@@ -1,0 +1,336 @@
+"""numpy: the CPU arithmetic, as ggml's CPU backend computes a quantized matmul.
+
+For a weight row of type T and an activation row, ggml's CPU quantizes the activation row to
+T's ``vec_dot_type`` (Q8_0, Q8_1 or Q8_K; rounds it to half for F16/BF16 weights) with its
+``from_float``, then calls T's ``vec_dot``: exact integer sums per block, combined with the
+blocks' float scales. This backend computes the same thing for every (activation row, weight
+row) pair at once:
+
+* activations are quantized by :func:`qllama.quants.quantize`, bit-exact with ggml
+  (``activation_rounding="ref"``: ``quantize_row_*_ref``, ties away from zero for Q8_0/Q8_1;
+  ``"simd"``: the AVX2/NEON ``from_float``, ties to even, ``id = 127/amax``);
+* each weight format describes itself as integers and float scales
+  (:meth:`~qllama.quants.base.QuantType.integer_form`), and :func:`vec_dot` is written once
+  over that form: the integer sums of a block are float32 BLAS products that are exact (every
+  partial sum is an integer of at most 2**24, checked per format), and the float scales are
+  combined in the order of ggml's generic C (``ggml-cpu/quants.c``). Results equal that C,
+  compiled as written (no FMA contraction), bit for bit; ggml's SIMD kernels, and builds
+  that contract ``sumf += a*b`` into an FMA, differ from it by float32 rounding only.
+
+Weights stay the file's bytes (a zero-copy view) and are unpacked chunk by chunk in each
+call, so memory per call is bounded by ``work_bytes``; no unpacked copy is kept. This path is
+the oracle for faster CPU kernels, so it favours clarity and exactness over speed.
+
+Options: ``activations="q8"`` (the above) or ``"f32"`` (the GPU arithmetic on numpy:
+float32 activations times the dequantized weight), ``activation_rounding``, and
+``dequantize_all`` (weights widened to float32 once, at load; plain float32 matmuls).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+from qllama.backends.array_api import ALL_TYPES, ArrayBackend, Blocks, Dense
+from qllama.backends.base import QuantTensor, check_supported, require_device
+
+from qllama import quants
+from qllama.array_api import namespace
+from qllama.errors import BackendError, TensorShapeError
+from qllama.ggml_types import GGMLType
+from qllama.quants.base import Fields, IntegerForm, QuantType, Rounding
+
+F32 = np.float32
+
+ACTIVATIONS = ("q8", "f32")
+ROUNDINGS = ("ref", "simd")
+FLOAT_DOT_TYPES = ("F32", "F16", "BF16")  # vec_dot types of the float weight formats
+
+# ggml has no CPU vec_dot for weights stored in its activation formats
+Q8_WEIGHT_TYPES = ALL_TYPES - {GGMLType.Q8_1, GGMLType.Q8_K}
+
+# Largest |q| of an activation block: 127, or -128 where the AVX2 quantizer saturates a NaN.
+_ACT_BOUND = 128
+_EXACT_F32 = 2**24  # every integer up to this magnitude is exact in float32
+
+
+@dataclass(frozen=True)
+class Packed:
+    """A weight held as the file's bytes, unpacked only for the rows a call works on."""
+
+    tensor: QuantTensor
+    fmt: type[QuantType]
+
+    @property
+    def row_bytes(self) -> int:
+        return self.tensor.row_length // self.fmt.block_size * self.fmt.type_size
+
+    def rows(self, index: slice | np.ndarray) -> tuple[QuantTensor, Fields]:
+        """Rows ``index`` as a tensor of their own and their unpacked (mostly view) fields."""
+        raw = self.tensor.data.reshape(self.tensor.rows, self.row_bytes)[index]
+        part = dataclasses.replace(
+            self.tensor, shape=(raw.shape[0], self.tensor.row_length), data=raw.reshape(-1)
+        )
+        return part, self.fmt.unpack(raw.reshape(-1, self.fmt.type_size))
+
+
+@dataclass(frozen=True)
+class Activations:
+    """Activation rows quantized to a weight's ``vec_dot_type``, laid out per weight block.
+
+    ``q`` is ``(n_blocks, lanes, T, block_size // lanes)`` float32 (small exact integers), so
+    that ``q[b] @ w[b]`` is the integer sum of block ``b`` per accumulator lane; ``d`` and
+    ``s`` are ``(n_blocks, T)``; ``bsums`` (Q8_K) is ``(n_blocks, T, n_sub)``: the sums of
+    ``q`` over each of the weight's sub-blocks.
+    """
+
+    q: np.ndarray
+    d: np.ndarray
+    s: np.ndarray | None = None
+    bsums: np.ndarray | None = None
+
+    @classmethod
+    def of(cls, fields: Fields, shape: tuple[int, int], form: IntegerForm) -> Activations:
+        """Lay out the unpacked Q8_0 / Q8_1 / Q8_K fields of ``shape`` (T, K) for ``form``."""
+        tokens, k = shape
+        block = form.q.shape[1]
+        n_blocks = k // block
+        qs = fields["qs"].reshape(tokens, n_blocks, block // form.lanes, form.lanes)
+        per_token = {f: fields[f].reshape(tokens, n_blocks).T for f in ("d", "s") if f in fields}
+        bsums = None
+        if "bsums" in fields and form.mins is not None:
+            # Q8_K keeps sums of 16; a weight sub-block of 32 is two of them (exact integers)
+            n_sub = form.mins.shape[1]
+            per_sub = fields["bsums"].reshape(tokens, n_blocks, n_sub, 16 // n_sub)
+            bsums = np.ascontiguousarray(per_sub.sum(axis=3).transpose(1, 0, 2), dtype=F32)
+        return cls(
+            q=np.ascontiguousarray(qs.transpose(1, 3, 0, 2), dtype=F32),
+            d=np.ascontiguousarray(per_token["d"]),
+            s=np.ascontiguousarray(per_token["s"]) if "s" in per_token else None,
+            bsums=bsums,
+        )
+
+
+@dataclass(frozen=True)
+class WeightBlocks:
+    """An :class:`IntegerForm` laid out for BLAS: block-major, weight rows last.
+
+    ``w`` is ``(n_blocks, lanes, block_size // lanes, R)`` float32, the integers with the
+    sub-block scales folded in (small exact integers); ``d``, ``m``, ``dmin`` are
+    ``(n_blocks, 1, R)`` and ``mins`` ``(n_blocks, n_sub, R)``, or None where absent;
+    ``lanes`` and ``sumi_first`` are the form's.
+    """
+
+    w: np.ndarray
+    d: np.ndarray
+    m: np.ndarray | None
+    dmin: np.ndarray | None
+    mins: np.ndarray | None
+    lanes: int
+    sumi_first: bool
+
+    @classmethod
+    def of(cls, form: IntegerForm, rows: int) -> WeightBlocks:
+        block = form.q.shape[1]
+        n_blocks = form.q.shape[0] // rows
+        # every partial sum of a block's integer dot product must be exact in float32
+        if _ACT_BOUND * (block // form.lanes) * form.bound > _EXACT_F32:
+            raise AssertionError(
+                f"{block // form.lanes} products up to {_ACT_BOUND} * {form.bound} can pass "
+                "2**24: their float32 sum would not be exact"
+            )
+        w = form.q.astype(np.int32)
+        if form.scales is not None:
+            w *= np.repeat(form.scales.astype(np.int32), form.sub_size, axis=1)
+        w4 = w.reshape(rows, n_blocks, block // form.lanes, form.lanes).transpose(1, 3, 2, 0)
+
+        def per_block(a: np.ndarray) -> np.ndarray:
+            """(rows * n_blocks, k) -> (n_blocks, k, rows) float32."""
+            a3 = a.reshape(rows, n_blocks, a.shape[1]).transpose(1, 2, 0)
+            return np.ascontiguousarray(a3, dtype=F32)
+
+        return cls(
+            w=np.ascontiguousarray(w4, dtype=F32),
+            d=per_block(form.d),
+            m=None if form.m is None else per_block(form.m),
+            dmin=None if form.dmin is None else per_block(form.dmin),
+            mins=None if form.mins is None else per_block(form.mins),
+            lanes=form.lanes,
+            sumi_first=form.sumi_first,
+        )
+
+
+def vec_dot(acts: Activations, wb: WeightBlocks, tokens: slice) -> np.ndarray:
+    """ggml's CPU ``vec_dot`` of activation rows ``tokens`` with every weight row of ``wb``.
+
+    Returns ``(T, R)`` float32, equal bit for bit to ggml's generic C (``ggml-cpu/quants.c``)
+    compiled without FMA contraction. Per block, in block order: the integer sums (float32
+    BLAS, exact), then ``sumf += (d*y.d)*isum + m*y.s - (dmin*y.d)*msum`` (Q4_0:
+    ``(isum*d)*y.d``); with 8 lanes, ``(d*y.d)*isum`` goes to 8 accumulators instead, added
+    to ``sumf`` after the last block.
+    """
+    q_act, d_act = acts.q[:, :, tokens], acts.d[:, tokens]
+    sumf = np.zeros((d_act.shape[1], wb.w.shape[3]), dtype=F32)
+    lane_sums = np.zeros((wb.lanes, *sumf.shape), dtype=F32)
+    for b in range(q_act.shape[0]):
+        sumi = np.matmul(q_act[b], wb.w[b])  # (lanes, T, R): exact integers
+        yd = d_act[b][:, None]
+        mterm = None
+        if wb.mins is not None:  # - (dmin*y.d) * sum(m * bsums), integers exact as well
+            assert acts.bsums is not None and wb.dmin is not None
+            mterm = (wb.dmin[b] * yd) * np.matmul(acts.bsums[b, tokens], wb.mins[b])
+        if wb.lanes > 1:
+            sumi *= wb.d[b] * yd
+            lane_sums += sumi
+            if mterm is not None:
+                sumf -= mterm
+            continue
+        isum = sumi[0]
+        term = (isum * wb.d[b]) * yd if wb.sumi_first else (wb.d[b] * yd) * isum
+        if wb.m is not None:  # Q4_1 / Q5_1: + m*y.s, with the activation's stored fp16 s
+            assert acts.s is not None
+            term = term + wb.m[b] * acts.s[b, tokens][:, None]
+        if mterm is not None:
+            term = term - mterm
+        sumf += term
+    if wb.lanes > 1:
+        for lane in lane_sums:
+            sumf += lane
+    return sumf
+
+
+class NumpyBackend(ArrayBackend):
+    """The CPU arithmetic (``activations="q8"``), or the GPU one on numpy (``"f32"``)."""
+
+    name: ClassVar[str] = "numpy"
+
+    def __init__(
+        self,
+        *,
+        device: str | None = None,
+        dequantize_all: bool = False,
+        activations: str = "q8",
+        activation_rounding: Rounding = "ref",
+        work_bytes: int = 64 << 20,
+        **options: Any,
+    ) -> None:
+        if options:
+            raise BackendError(
+                f"backend numpy has no options {sorted(options)}; it takes activations, "
+                "activation_rounding and work_bytes"
+            )
+        if activations not in ACTIVATIONS:
+            raise BackendError(
+                f"backend numpy: activations must be one of {ACTIVATIONS}, not {activations!r}"
+            )
+        if activation_rounding not in ROUNDINGS:
+            raise BackendError(
+                f"backend numpy: activation_rounding must be one of {ROUNDINGS}, "
+                f"not {activation_rounding!r}"
+            )
+        if work_bytes < 1:
+            raise BackendError(f"backend numpy: work_bytes must be positive, not {work_bytes}")
+        super().__init__(
+            namespace("numpy"),
+            device=require_device(self.name, device, ("cpu",)),
+            dequantize_all=dequantize_all,
+        )
+        self.activations = activations
+        self.activation_rounding = activation_rounding
+        self.work_bytes = work_bytes
+
+    @property
+    def weight_types(self) -> frozenset[GGMLType]:
+        """The types ``prepare`` accepts in this mode (a declared table)."""
+        return Q8_WEIGHT_TYPES if self._q8 else ALL_TYPES
+
+    @property
+    def _q8(self) -> bool:
+        return self.activations == "q8" and not self.dequantize_all
+
+    # -- protocol ------------------------------------------------------------------------------
+
+    def supports(self, ggml_type: GGMLType) -> bool:
+        return ggml_type in self.weight_types
+
+    def prepare(self, tensor: QuantTensor) -> Packed | Dense:
+        if self.dequantize_all:
+            dense = super().prepare(tensor)
+            assert isinstance(dense, Dense)
+            return dense
+        check_supported(self, tensor, self.weight_types)
+        return Packed(tensor, quants.get(tensor.ggml_type))
+
+    def matmul(self, x: Any, w: Packed | Dense) -> Any:
+        if isinstance(w, Dense):
+            return super().matmul(x, w)
+        x = np.asarray(x, dtype=F32)
+        if x.ndim != 2 or x.shape[1] != w.tensor.row_length:
+            raise TensorShapeError(
+                f"matmul with '{w.tensor.name}' {w.tensor.shape} needs activations "
+                f"(T, {w.tensor.row_length}), got {x.shape}"
+            )
+        if self.activations == "f32":
+            return self._matmul_f32(x, w)
+        return self._matmul_q8(x, w)
+
+    def embedding(self, ids: Any, w: Packed | Dense) -> Any:
+        if isinstance(w, Dense):
+            return super().embedding(ids, w)
+        # ggml's get_rows: only the wanted rows, unpacked and dequantized (inherited code)
+        ids = np.asarray(ids)
+        part, fields = w.rows(ids)
+        return super().embedding(np.arange(ids.shape[0]), Blocks(part, w.fmt, fields))
+
+    # -- the arithmetic ------------------------------------------------------------------------
+
+    def _matmul_f32(self, x: np.ndarray, w: Packed) -> np.ndarray:
+        """The GPU arithmetic, a chunk of dequantized rows at a time."""
+        out = np.empty((x.shape[0], w.tensor.rows), dtype=F32)
+        # dequantize_fields makes a few float32 temporaries of the chunk
+        for rows in self._row_chunks(w, per_row=16 * w.tensor.row_length + 8 * x.shape[0]):
+            part, fields = w.rows(rows)
+            out[:, rows] = super().matmul(x, Blocks(part, w.fmt, fields))
+        return out
+
+    def _matmul_q8(self, x: np.ndarray, w: Packed) -> np.ndarray:
+        """ggml's CPU matmul: quantize the activations once, then ``vec_dot`` by chunks."""
+        act_type = quants.get(w.fmt.vec_dot_type)
+        # F16 / BF16 activations round one way only; Q8_K's "simd" is its "ref" anyway
+        rounding: Rounding = self.activation_rounding if len(act_type.roundings) > 1 else "ref"
+        raw = quants.quantize(x, act_type.ggml_type, rounding=rounding)
+        act_fields = act_type.unpack(raw.reshape(-1, act_type.type_size))
+        tokens, k = x.shape
+        out = np.empty((tokens, w.tensor.rows), dtype=F32)
+        if w.fmt.vec_dot_type in FLOAT_DOT_TYPES:
+            # float weights: products of two halves are exact in float32; only the order of
+            # the float32 sum differs from ggml's SIMD accumulators
+            xr = act_type.dequantize_fields(act_fields, xp=self.xp).reshape(tokens, k)
+            for rows in self._row_chunks(w, per_row=16 * k + 8 * tokens):
+                part, fields = w.rows(rows)
+                wr = w.fmt.dequantize_fields(fields, xp=self.xp).reshape(part.shape)
+                out[:, rows] = np.matmul(xr, wr.T)
+            return out
+
+        acts: Activations | None = None
+        # Working set per weight row: its unpacked integers and float32 layout (~16 bytes an
+        # element), and per token the block sums, 8 lane accumulators and a few temporaries.
+        per_token = 4 * (2 * 8 + 6)
+        token_step = max(1, min(tokens, self.work_bytes // (64 * per_token)))
+        for rows in self._row_chunks(w, per_row=16 * k + per_token * token_step):
+            part, fields = w.rows(rows)
+            form = w.fmt.integer_form(fields)
+            if acts is None:
+                acts = Activations.of(act_fields, x.shape, form)
+            wb = WeightBlocks.of(form, part.rows)
+            for t0 in range(0, tokens, token_step):
+                t = slice(t0, min(tokens, t0 + token_step))
+                out[t, rows] = vec_dot(acts, wb, t)
+        return out
+
+    def _row_chunks(self, w: Packed, *, per_row: int) -> list[slice]:
+        """Slices of weight rows whose working set stays near ``work_bytes``."""
+        step = max(1, self.work_bytes // max(1, per_row))
+        return [slice(r, min(r + step, w.tensor.rows)) for r in range(0, w.tensor.rows, step)]

@@ -1,0 +1,96 @@
+"""The model's key/value cache, and the precision attention runs in.
+
+Keys and values live in arrays of a fixed capacity, grown in steps of ``CAPACITY_STEP``
+positions; new rows are written with ``take`` and ``where`` (no in-place update, which jax and
+array-api-strict lack, and no Python slice at a moving position). Array shapes therefore
+change only when the capacity grows, so jax compiles each operation a handful of times
+rather than once per token. Attention runs over the whole capacity; the causal mask hides
+the positions not yet written.
+
+candle keeps the cache and attention in float32. llama.cpp's default cache is f16, so its
+K and V are rounded to half when stored, and its KQ and KQV products (``vec_dot_type`` F16)
+round the queries and the softmax probabilities to half too. ``precision="f16"`` emulates
+that; it needs a namespace with ``float16`` (numpy, torch, jax).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from qllama.errors import BackendError
+
+PRECISIONS = ("f32", "f16")
+CAPACITY_STEP = 256
+
+
+def capacity_for(n: int) -> int:
+    """The capacity that holds ``n`` positions."""
+    return -(-n // CAPACITY_STEP) * CAPACITY_STEP
+
+
+class KVCache:
+    """Per-layer keys and values, ``(capacity, n_head_kv, head_dim)`` each."""
+
+    def __init__(
+        self,
+        n_layer: int,
+        n_head_kv: int,
+        head_dim: int,
+        xp: Any,
+        *,
+        device: Any = None,
+        precision: str = "f32",
+    ) -> None:
+        if precision not in PRECISIONS:
+            raise BackendError(f"KV cache precision must be one of {PRECISIONS}, not {precision!r}")
+        half = getattr(xp, "float16", None) if precision == "f16" else None
+        if precision == "f16" and half is None:
+            raise BackendError(
+                f"KV cache precision f16 needs a namespace with float16; {xp.__name__} has none"
+            )
+        self.xp, self.device, self.precision, self._half = xp, device, precision, half
+        self.row_shape = (n_head_kv, head_dim)
+        self.k: list[Any] = [None] * n_layer
+        self.v: list[Any] = [None] * n_layer
+        self.capacity = 0
+        self.length = 0  # positions holding valid keys and values
+
+    def reset(self, length: int = 0) -> None:
+        """Keep positions ``< length`` (0: forget everything, a new sequence)."""
+        if length == 0:
+            self.k = [None] * len(self.k)
+            self.v = [None] * len(self.v)
+            self.capacity = 0
+        self.length = length
+
+    def reserve(self, n: int) -> None:
+        """Make room for ``n`` positions."""
+        need = capacity_for(n)
+        if need <= self.capacity:
+            return
+        xp, grow = self.xp, (need - self.capacity, *self.row_shape)
+        pad = xp.zeros(grow, dtype=xp.float32, device=self.device)
+        self.k = [pad if k is None else xp.concat([k, pad], axis=0) for k in self.k]
+        self.v = [pad if v is None else xp.concat([v, pad], axis=0) for v in self.v]
+        self.capacity = need
+        self.slots = xp.arange(need, dtype=xp.int32, device=self.device)  # (capacity,)
+
+    def operand(self, x: Any) -> Any:
+        """``x`` as the attention products see it: rounded to half under f16 precision."""
+        if self._half is None:
+            return x
+        return self.xp.astype(self.xp.astype(x, self._half), self.xp.float32)
+
+    def update(self, layer: int, pos: int, k: Any, v: Any) -> tuple[Any, Any]:
+        """Write this step's ``(T, n_head_kv, head_dim)`` keys and values at ``pos``; return
+        the whole cache ``(capacity, n_head_kv, head_dim)`` of the layer."""
+        xp, T = self.xp, k.shape[0]
+        fresh = (self.slots >= pos) & (self.slots < pos + T)  # (capacity,)
+        src = xp.clip(self.slots - pos, 0, T - 1)  # row of k feeding each slot
+        self.k[layer] = xp.where(
+            fresh[:, None, None], xp.take(self.operand(k), src, axis=0), self.k[layer]
+        )
+        self.v[layer] = xp.where(
+            fresh[:, None, None], xp.take(self.operand(v), src, axis=0), self.v[layer]
+        )
+        return self.k[layer], self.v[layer]

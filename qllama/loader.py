@@ -1,0 +1,161 @@
+"""``qllama.load``: a GGUF file -> a checked, ready model on a backend.
+
+Everything about the file is checked before a backend sees a byte of it: the configuration,
+every tensor's presence, type and shape, the vocabulary against the embedding, and (by
+default) that no block scale or norm weight is NaN or infinite.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from qllama import quants
+from qllama.backends import get_backend
+from qllama.backends.base import Backend, QuantTensor
+from qllama.config import LlamaConfig
+from qllama.errors import ModelConfigError, TensorShapeError, WeightValueError
+from qllama.gguf_reader import GGUFFile, TensorInfo, read_gguf
+from qllama.model import LayerWeights, Llama, Weights
+
+LAYER_TENSORS = {
+    # GGUF name -> expected numpy shape (rows, row length), from the config
+    "attn_norm": lambda c: (c.n_embd,),
+    "attn_q": lambda c: (c.n_head * c.head_dim, c.n_embd),
+    "attn_k": lambda c: (c.n_head_kv * c.head_dim, c.n_embd),
+    "attn_v": lambda c: (c.n_head_kv * c.head_dim, c.n_embd),
+    "attn_output": lambda c: (c.n_embd, c.n_head * c.head_dim),
+    "ffn_norm": lambda c: (c.n_embd,),
+    "ffn_gate": lambda c: (c.n_ff, c.n_embd),
+    "ffn_up": lambda c: (c.n_ff, c.n_embd),
+    "ffn_down": lambda c: (c.n_embd, c.n_ff),
+}
+
+
+def expected_tensors(c: LlamaConfig, *, tied: bool) -> dict[str, tuple[int, ...]]:
+    """Every tensor the model needs, with its numpy shape."""
+    shapes: dict[str, tuple[int, ...]] = {
+        "token_embd.weight": (c.n_vocab, c.n_embd),
+        "output_norm.weight": (c.n_embd,),
+    }
+    if not tied:
+        shapes["output.weight"] = (c.n_vocab, c.n_embd)
+    for i in range(c.n_layer):
+        for name, shape in LAYER_TENSORS.items():
+            shapes[f"blk.{i}.{name}.weight"] = shape(c)
+    return shapes
+
+
+def check_tensors(f: GGUFFile, c: LlamaConfig) -> dict[str, TensorInfo]:
+    """Presence, shape and supported type of every needed tensor (before any allocation)."""
+    tied = "output.weight" not in f.tensors
+    found: dict[str, TensorInfo] = {}
+    for name, shape in expected_tensors(c, tied=tied).items():
+        t = f.tensors.get(name)
+        if t is None:
+            raise ModelConfigError(f"missing tensor '{name}'")
+        if t.shape != shape:
+            raise TensorShapeError(
+                f"tensor '{name}' has shape {list(t.shape)}, expected {list(shape)}"
+            )
+        if len(shape) == 1 and t.ggml_type.name not in ("F32", "F16", "BF16"):
+            raise TensorShapeError(
+                f"tensor '{name}' is {t.ggml_type.name}; norm weights must be F32, F16 or BF16"
+            )
+        quants.get(t.ggml_type)  # refuse types qllama cannot compute with, naming them
+        found[name] = t
+    return found
+
+
+def _scale_fields(fields: dict[str, np.ndarray]) -> list[np.ndarray]:
+    """The float fields of unpacked blocks (scales, mins, or the values of float types)."""
+    return [v for v in fields.values() if v.dtype.kind == "f"]
+
+
+def check_finite(f: GGUFFile, tensors: dict[str, TensorInfo]) -> None:
+    """Refuse NaN or infinite block scales, mins and float weights: one such value turns a
+    whole row of logits into NaN."""
+    for name, t in tensors.items():
+        fields = quants.unpack(f.tensor_data(name), t.ggml_type, t.shape)
+        for v in _scale_fields(fields):
+            bad = np.flatnonzero(~np.isfinite(v).all(axis=tuple(range(1, v.ndim))))
+            if bad.size:
+                raise WeightValueError(
+                    f"tensor '{name}' block {int(bad[0])} has a non-finite scale or value "
+                    f"({bad.size} blocks in all)"
+                )
+
+
+def _norm(f: GGUFFile, t: TensorInfo, backend: Backend) -> Any:
+    return backend.asarray(quants.dequantize(f.tensor_data(t.name), t.ggml_type, t.shape))
+
+
+def load(
+    path: str | os.PathLike[str],
+    backend: str | Backend | None = None,
+    device: str | None = None,
+    dequantize_all: bool | None = None,
+    *,
+    n_ctx: int | None = None,
+    kv_precision: str = "f32",
+    check_weights: bool = True,
+    **backend_options: Any,
+) -> Llama:
+    """Load a llama GGUF on a backend.
+
+    ``backend``, ``device`` and ``dequantize_all`` default to ``QLLAMA_BACKEND``,
+    ``QLLAMA_DEVICE`` and ``QLLAMA_DEQUANTIZE_ALL`` (numpy, its default device, off).
+    ``n_ctx`` caps the context (default: the model's). ``kv_precision="f16"`` emulates
+    llama.cpp's half-precision KV cache. Extra keywords go to the backend (e.g. the numpy
+    backend's ``activations="f32"`` or ``activation_rounding="simd"``).
+    """
+    from qllama.chat_template import ChatTemplate
+    from qllama.tokenizer import Tokenizer
+
+    f = read_gguf(path)
+    config = LlamaConfig.from_gguf(f)
+    if n_ctx is not None and not 1 <= n_ctx:
+        raise ModelConfigError(f"n_ctx must be at least 1, not {n_ctx}")
+    tensors = check_tensors(f, config)
+    if check_weights:
+        check_finite(f, tensors)
+    tokenizer = Tokenizer.from_gguf(f)
+    if tokenizer.n_vocab != config.n_vocab:
+        raise TensorShapeError(
+            f"the vocabulary has {tokenizer.n_vocab} tokens but token_embd.weight has "
+            f"{config.n_vocab} rows"
+        )
+    if not isinstance(backend, str | None):
+        be: Backend = backend
+    else:
+        be = get_backend(backend, device=device, dequantize_all=dequantize_all, **backend_options)
+
+    def prepared(name: str) -> Any:
+        t = tensors[name]
+        return be.prepare(
+            QuantTensor(name, t.ggml_type, (t.shape[0], t.shape[1]), f.tensor_data(name))
+        )
+
+    layers = []
+    for i in range(config.n_layer):
+        parts = {}
+        for part in LAYER_TENSORS:
+            name = f"blk.{i}.{part}.weight"
+            t = tensors[name]
+            parts[part] = _norm(f, t, be) if len(t.shape) == 1 else prepared(name)
+        layers.append(LayerWeights(**parts))
+    token_embd = prepared("token_embd.weight")
+    weights = Weights(
+        token_embd=token_embd,
+        layers=layers,
+        output_norm=_norm(f, tensors["output_norm.weight"], be),
+        output=prepared("output.weight") if "output.weight" in tensors else token_embd,
+    )
+    model = Llama(config, weights, be, n_ctx=n_ctx, kv_precision=kv_precision)
+    model.tokenizer = tokenizer
+    template = f.get("tokenizer.chat_template")
+    model.chat_template = ChatTemplate(template, tokenizer) if isinstance(template, str) else None
+    model.source = f
+    return model

@@ -1,0 +1,203 @@
+"""The numpy backend: ggml's CPU arithmetic (q8 activations), the GPU one on numpy (f32) and
+dequantize-all, against the dot products ggml itself computed (tests/data)."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+from qllama.backends import get_backend
+from qllama.backends.base import QuantTensor
+from qllama.backends.numpy_cpu import NumpyBackend
+
+from qllama import quants
+from qllama.errors import BackendError, TensorShapeError, UnsupportedTensorTypeError
+from qllama.ggml_types import GGMLType
+
+F32 = np.float32
+QUANT_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+WEIGHT_TYPES = [*QUANT_TYPES, "F16", "BF16"]  # the types with ggml vec_dot results in the npz
+
+# sha256[:16] of the (14 activations, 11 weight rows) float32 results of ggml's generic C
+# vec_dot (ggml-cpu/quants.c, recompiled with -march=x86-64 -ffp-contract=off, i.e. exactly as
+# written, no FMA) on the npz's weight bytes and CPU-quantized activation bytes. The numpy
+# path reproduces it bit for bit; ggml's SIMD kernels (vec_dot_cpu) only to float32 rounding.
+GENERIC_C_DIGESTS = {
+    "Q4_0": "813f3010d41fa48c",
+    "Q4_1": "0ea57e5e5ea65b8f",
+    "Q5_0": "848cadb8b15de0f3",
+    "Q5_1": "8386783da22af37a",
+    "Q8_0": "365bb6b35d25087e",
+    "Q2_K": "5c22448847290ffa",
+    "Q3_K": "d9c4b9498b8005d1",
+    "Q4_K": "3ea92310c3ada45c",
+    "Q5_K": "a0e09bed43fc4b87",
+    "Q6_K": "c724fcce6b382063",
+}
+
+
+def tensor(raw: np.ndarray, qtype: str, shape: tuple[int, int]) -> QuantTensor:
+    return QuantTensor("w", GGMLType[qtype], shape, np.ascontiguousarray(raw).reshape(-1))
+
+
+def npz_weight(ggml_vectors: dict[str, np.ndarray], qtype: str) -> QuantTensor:
+    if qtype == "F32":
+        raw = quants.quantize(ggml_vectors["weights_f32"], "F32")
+    else:
+        raw = ggml_vectors[f"w/{qtype}/bytes"]
+    return tensor(raw, qtype, (raw.shape[0], 512))
+
+
+def bits(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(x, dtype=F32).view(np.uint32)
+
+
+@pytest.mark.parametrize("qtype", [*WEIGHT_TYPES, "F32"])
+@pytest.mark.parametrize("rounding", ["ref", "simd"])
+def test_q8_matmul_matches_ggmls_cpu_vec_dot(qtype, rounding, ggml_vectors):
+    acts = ggml_vectors["acts_f32"]
+    w = npz_weight(ggml_vectors, qtype)
+    got = NumpyBackend(activation_rounding=rounding).matmul(acts, NumpyBackend().prepare(w))
+    assert got.shape == (14, 11) and got.dtype == F32
+    if qtype == "F32":  # a plain float32 dot product; ggml's is one as well
+        want = acts.astype(np.float64) @ ggml_vectors["weights_f32"].T.astype(np.float64)
+    else:
+        want = ggml_vectors[f"w/{qtype}/vec_dot_cpu"].T
+    # ggml's SIMD kernels add the same exact block terms in another order: the difference is
+    # float32 rounding, so it is measured against sum |x| |w| (largest seen: 6.7e-7, Q4_K)
+    dense = quants.dequantize(w.data, qtype, w.shape).astype(np.float64)
+    scale = np.abs(acts.astype(np.float64)) @ np.abs(dense).T
+    assert np.all(np.abs(got - want) <= 1e-6 * scale)
+
+
+@pytest.mark.parametrize("qtype", QUANT_TYPES)
+def test_q8_matmul_is_ggmls_generic_c_bit_for_bit(qtype, ggml_vectors):
+    w = npz_weight(ggml_vectors, qtype)
+    got = NumpyBackend().matmul(ggml_vectors["acts_f32"], NumpyBackend().prepare(w))
+    assert hashlib.sha256(got.tobytes()).hexdigest()[:16] == GENERIC_C_DIGESTS[qtype]
+
+
+@pytest.mark.parametrize("qtype", WEIGHT_TYPES)
+def test_activation_quantization_is_really_there(qtype, ggml_vectors):
+    acts = ggml_vectors["acts_f32"]
+    w = npz_weight(ggml_vectors, qtype)
+    q8 = NumpyBackend().matmul(acts, NumpyBackend().prepare(w))
+    f32_backend = NumpyBackend(activations="f32")
+    f32 = f32_backend.matmul(acts, f32_backend.prepare(w))
+    dense_backend = NumpyBackend(dequantize_all=True)
+    dense = dense_backend.matmul(acts, dense_backend.prepare(w))
+    assert not np.array_equal(q8, f32)
+    # f32 activations are the GPU arithmetic: the dequantize-all product up to float32 noise
+    scale = np.abs(acts) @ np.abs(quants.dequantize(w.data, qtype, w.shape)).T
+    assert np.all(np.abs(f32 - dense) <= 1e-6 * scale)
+
+
+def test_ref_and_simd_rounding_differ_on_a_tie():
+    w = tensor(quants.quantize(np.ones((1, 32), F32), "Q8_0"), "Q8_0", (1, 32))  # all q = 127
+    x = np.zeros((1, 32), F32)
+    x[0, :3] = [127.0, 0.5, 2.5]  # d = 1: the .5s are exact ties
+    dw = F32(np.float16(F32(1) / F32(127)))  # the weight's stored scale
+    ref = NumpyBackend(activation_rounding="ref")
+    simd = NumpyBackend(activation_rounding="simd")
+    # ref rounds ties away (1, 3), AVX2 to even (0, 2); sumf = sumi * (d_w * d_x), d_x = 1
+    assert ref.matmul(x, ref.prepare(w))[0, 0] == F32(127 * (127 + 1 + 3)) * dw
+    assert simd.matmul(x, simd.prepare(w))[0, 0] == F32(127 * (127 + 0 + 2)) * dw
+
+
+@pytest.mark.parametrize("qtype", [*WEIGHT_TYPES, "F32"])
+@pytest.mark.parametrize("activations", ["q8", "f32"])
+def test_chunking_does_not_change_results(qtype, activations, ggml_vectors):
+    acts = ggml_vectors["acts_f32"]
+    w = npz_weight(ggml_vectors, qtype)
+    whole = NumpyBackend(activations=activations)
+    tiny = NumpyBackend(activations=activations, work_bytes=1)  # one row and token a chunk
+    got = tiny.matmul(acts, tiny.prepare(w))
+    want = whole.matmul(acts, whole.prepare(w))
+    if activations == "q8" and qtype in QUANT_TYPES:  # exact integer sums, fixed float order
+        np.testing.assert_array_equal(bits(got), bits(want))
+    else:  # a float32 BLAS product: its summation order may depend on the shapes
+        scale = np.abs(acts) @ np.abs(quants.dequantize(w.data, qtype, w.shape)).T
+        assert np.all(np.abs(got - want) <= 1e-6 * scale)
+
+
+@pytest.mark.parametrize("qtype", [*WEIGHT_TYPES, "F32", "Q8_1", "Q8_K"])
+@pytest.mark.parametrize("dequantize_all", [False, True])
+def test_embedding_is_the_dequantized_rows(qtype, dequantize_all, ggml_vectors):
+    raw = quants.quantize(ggml_vectors["weights_f32"], qtype)
+    w = tensor(raw, qtype, (11, 512))
+    backend = NumpyBackend(dequantize_all=dequantize_all, activations="f32")
+    ids = np.array([3, 0, 3, 10])
+    got = backend.embedding(ids, backend.prepare(w))
+    np.testing.assert_array_equal(bits(got), bits(quants.dequantize(raw, qtype, (11, 512))[ids]))
+
+
+def test_weights_stay_the_files_bytes(ggml_vectors):
+    w = npz_weight(ggml_vectors, "Q4_K")
+    prepared = NumpyBackend().prepare(w)
+    assert np.shares_memory(prepared.tensor.data, w.data)
+    assert NumpyBackend(dequantize_all=True).prepare(w).w.shape == (11, 512)
+
+
+@pytest.mark.parametrize("qtype", QUANT_TYPES)
+def test_integer_form_is_the_format(qtype):
+    """d * scales * q + m - dmin * mins rebuilds the dequantized values, within the bound."""
+    cls = quants.get(qtype)
+    rng = np.random.default_rng(5)
+    raw = rng.integers(0, 256, (64, cls.type_size), dtype=np.uint8)
+    fields = cls.unpack(raw)
+    for k in ("d", "m", "dmin"):  # finite scales, to compare values
+        if k in fields:
+            fields[k] = rng.uniform(-1, 1, fields[k].shape).astype(F32)
+    form = cls.integer_form(fields)
+    q = form.q.astype(np.int64)
+    if form.scales is not None:
+        q = q * np.repeat(form.scales.astype(np.int64), form.sub_size, axis=1)
+    assert np.abs(q).max() <= form.bound
+    terms = [form.d.astype(np.float64) * q]
+    if form.m is not None:
+        terms.append(np.broadcast_to(form.m, q.shape))
+    if form.mins is not None:
+        assert form.dmin is not None
+        terms.append(-form.dmin * np.repeat(form.mins.astype(np.float64), form.sub_size, axis=1))
+    # dequantize_fields rounds each float32 product: compare against the terms' magnitude
+    err = np.abs(sum(terms) - cls.dequantize_fields(fields, xp=np))
+    assert np.all(err <= 1e-6 * sum(np.abs(t) for t in terms))
+
+
+def test_options_and_devices_are_checked():
+    with pytest.raises(BackendError, match="no device 'cuda'"):
+        NumpyBackend(device="cuda")
+    with pytest.raises(BackendError, match="activations must be one of"):
+        NumpyBackend(activations="int4")
+    with pytest.raises(BackendError, match="activation_rounding must be one of"):
+        NumpyBackend(activation_rounding="nearest")  # type: ignore[arg-type]
+    with pytest.raises(BackendError, match="no options"):
+        NumpyBackend(threads=4)
+    assert NumpyBackend(device="cpu").device == "cpu"
+    backend = get_backend("numpy", device="cpu", dequantize_all=False, activations="f32")
+    assert isinstance(backend, NumpyBackend) and backend.activations == "f32"
+
+
+def test_activation_formats_are_no_q8_weights(ggml_vectors):
+    w = tensor(quants.quantize(ggml_vectors["weights_f32"], "Q8_K"), "Q8_K", (11, 512))
+    assert not NumpyBackend().supports(GGMLType.Q8_K)
+    with pytest.raises(UnsupportedTensorTypeError, match="does not support Q8_K"):
+        NumpyBackend().prepare(w)
+    assert NumpyBackend(activations="f32").supports(GGMLType.Q8_K)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_K", "F16"])
+@pytest.mark.parametrize("mode", [{}, {"activations": "f32"}, {"dequantize_all": True}])
+def test_no_tokens(qtype, mode, ggml_vectors):
+    backend = NumpyBackend(**mode)
+    w = backend.prepare(npz_weight(ggml_vectors, qtype))
+    assert backend.matmul(np.zeros((0, 512), F32), w).shape == (0, 11)
+    assert backend.embedding(np.zeros(0, np.int64), w).shape == (0, 512)
+
+
+def test_activation_shape_is_checked(ggml_vectors):
+    backend = NumpyBackend()
+    w = backend.prepare(npz_weight(ggml_vectors, "Q8_0"))
+    with pytest.raises(TensorShapeError, match=r"needs activations \(T, 512\)"):
+        backend.matmul(np.zeros((2, 256), F32), w)
