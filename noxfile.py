@@ -24,6 +24,22 @@ def tests(session: nox.Session) -> None:
     session.run("pytest", *args)
 
 
+LLAMA_CPP = "llama-cpp-python==0.3.36"
+# the native build (AMX) crashes on these machines; AVX2/AVX-512 without AMX works
+LLAMA_CPP_CMAKE = (
+    "-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF"
+)
+
+
+@nox.session
+def peers(session: nox.Session) -> None:
+    """Compare with llama.cpp: quantizer bytes, tokenizer ids (builds llama-cpp-python, ~6 min)."""
+    session.install(TORCH)
+    session.install(".[dev,torch,reference]")
+    session.install(LLAMA_CPP, env={"CMAKE_ARGS": LLAMA_CPP_CMAKE})
+    session.run("pytest", "tests/peers", *session.posargs)
+
+
 @nox.session
 def lint(session: nox.Session) -> None:
     """ruff (check and format) and mypy."""

@@ -25,9 +25,8 @@ import importlib.metadata
 import importlib.util
 from typing import Any
 
-from qllama.backends.base import Backend, QuantTensor
-
 from qllama import defaults
+from qllama.backends.base import Backend, QuantTensor
 from qllama.errors import BackendError
 
 # name -> (module:class, the package it needs)

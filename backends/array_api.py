@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
-from qllama.backends.base import QuantTensor, check_supported
 
 from qllama import quants
+from qllama.backends.base import QuantTensor, check_supported
 from qllama.ggml_types import GGMLType
 from qllama.quants.base import QuantType
 

@@ -7,8 +7,8 @@ from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
-from qllama.backends.array_api import ArrayBackend, Blocks, Dense
 
+from qllama.backends.array_api import ArrayBackend, Blocks, Dense
 from qllama.errors import BackendError
 
 # float32 matmuls in full float32 (XLA would otherwise use TF32/bf16 passes on accelerators)

@@ -33,11 +33,11 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
-from qllama.backends.array_api import ALL_TYPES, ArrayBackend, Blocks, Dense
-from qllama.backends.base import QuantTensor, check_supported, require_device
 
 from qllama import quants
 from qllama.array_api import namespace
+from qllama.backends.array_api import ALL_TYPES, ArrayBackend, Blocks, Dense
+from qllama.backends.base import QuantTensor, check_supported, require_device
 from qllama.errors import BackendError, TensorShapeError
 from qllama.ggml_types import GGMLType
 from qllama.quants.base import Fields, IntegerForm, QuantType, Rounding

@@ -8,8 +8,8 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import array_api_strict
-from qllama.backends.array_api import ArrayBackend
 
+from qllama.backends.array_api import ArrayBackend
 from qllama.errors import BackendError
 
 

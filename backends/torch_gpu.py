@@ -7,8 +7,8 @@ from typing import Any, ClassVar
 import array_api_compat.torch
 import numpy as np
 import torch
-from qllama.backends.array_api import ArrayBackend
 
+from qllama.backends.array_api import ArrayBackend
 from qllama.errors import BackendError
 
 

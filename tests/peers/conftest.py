@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (nox -s peers)")
+llama_cpp = pytest.importorskip("llama_cpp", reason="needs llama-cpp-python (nox -s peers)")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
