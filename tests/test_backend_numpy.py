@@ -7,11 +7,11 @@ import hashlib
 
 import numpy as np
 import pytest
+
+from qllama import quants
 from qllama.backends import get_backend
 from qllama.backends.base import QuantTensor
 from qllama.backends.numpy_cpu import NumpyBackend
-
-from qllama import quants
 from qllama.errors import BackendError, TensorShapeError, UnsupportedTensorTypeError
 from qllama.ggml_types import GGMLType
 

@@ -21,7 +21,8 @@ def llama_quantize(src, dst, ftype: int) -> None:
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = ftype
     params.nthread = 2
-    status = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
+    src_b, dst_b = str(src).encode(), str(dst).encode()
+    status = llama_cpp.llama_model_quantize(src_b, dst_b, ctypes.byref(params))
     if status != 0:
         raise RuntimeError(f"llama_model_quantize failed for file type {ftype}")
 
