@@ -1,12 +1,8 @@
-"""Peer comparisons need llama-cpp-python (built by `nox -s peers`); skip without it."""
+"""Peer comparisons need llama-cpp-python (built by `nox -s peers`); without it they are not
+collected at all."""
 
 from __future__ import annotations
 
-import pytest
+import importlib.util
 
-llama_cpp = pytest.importorskip("llama_cpp", reason="needs llama-cpp-python (nox -s peers)")
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        item.add_marker(pytest.mark.peers)
+collect_ignore_glob = [] if importlib.util.find_spec("llama_cpp") else ["test_*.py"]

@@ -10,6 +10,8 @@ import ctypes
 
 import pytest
 
+pytestmark = pytest.mark.peers
+
 from qllama.file_quantizer import FILE_TYPES, quantize_file
 from qllama.gguf_reader import read_gguf
 from qllama.model_files import variant

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+pytestmark = pytest.mark.peers
 from tokenizer_corpus import CORPUS, long_text, random_texts
 
 from qllama.ggml_types import ValueType
