@@ -10,13 +10,12 @@ import ctypes
 
 import pytest
 
-pytestmark = pytest.mark.peers
-
 from qllama.file_quantizer import FILE_TYPES, quantize_file
 from qllama.gguf_reader import read_gguf
 from qllama.model_files import variant
 
 llama_cpp = pytest.importorskip("llama_cpp")
+pytestmark = pytest.mark.peers
 
 
 def llama_quantize(src, dst, ftype: int) -> None:

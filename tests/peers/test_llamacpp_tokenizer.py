@@ -15,8 +15,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-pytestmark = pytest.mark.peers
 from tokenizer_corpus import CORPUS, long_text, random_texts
 
 from qllama.ggml_types import ValueType
@@ -26,6 +24,7 @@ from qllama.synthetic import TinyConfig, write_tiny_llama
 from qllama.tokenizer import PRE_TOKENIZERS, Tokenizer
 
 llama_cpp = pytest.importorskip("llama_cpp")
+pytestmark = pytest.mark.peers
 
 N_RANDOM = 1000
 
