@@ -101,6 +101,7 @@ def load(
     n_ctx: int | None = None,
     kv_precision: str = "f32",
     check_weights: bool = True,
+    trace_nonfinite: bool = False,
     **backend_options: Any,
 ) -> Llama:
     """Load a llama GGUF on a backend.
@@ -108,7 +109,9 @@ def load(
     ``backend``, ``device`` and ``dequantize_all`` default to ``QLLAMA_BACKEND``,
     ``QLLAMA_DEVICE`` and ``QLLAMA_DEQUANTIZE_ALL`` (numpy, its default device, off).
     ``n_ctx`` caps the context (default: the model's). ``kv_precision="f16"`` emulates
-    llama.cpp's half-precision KV cache. Extra keywords go to the backend (e.g. the numpy
+    llama.cpp's half-precision KV cache. ``check_weights`` refuses NaN/inf block scales and
+    float weights at load; ``trace_nonfinite`` checks every layer's output in the forward pass
+    and names the first that is NaN or infinite (slower). Extra keywords go to the backend (e.g. the numpy
     backend's ``activations="f32"`` or ``activation_rounding="simd"``).
     """
     from qllama.chat_template import ChatTemplate
@@ -153,7 +156,9 @@ def load(
         output_norm=_norm(f, tensors["output_norm.weight"], be),
         output=prepared("output.weight") if "output.weight" in tensors else token_embd,
     )
-    model = Llama(config, weights, be, n_ctx=n_ctx, kv_precision=kv_precision)
+    model = Llama(
+        config, weights, be, n_ctx=n_ctx, kv_precision=kv_precision, trace_nonfinite=trace_nonfinite
+    )
     model.tokenizer = tokenizer
     template = f.get("tokenizer.chat_template")
     model.chat_template = ChatTemplate(template, tokenizer) if isinstance(template, str) else None

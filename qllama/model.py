@@ -20,7 +20,13 @@ from qllama import generation
 from qllama.array_api import to_numpy
 from qllama.backends.base import Backend
 from qllama.config import LlamaConfig
-from qllama.errors import ChatTemplateError, ContextOverflowError, InvalidTokenError, SequenceError
+from qllama.errors import (
+    ChatTemplateError,
+    ContextOverflowError,
+    InvalidTokenError,
+    NonFiniteLogitsError,
+    SequenceError,
+)
 from qllama.generation import Generation
 from qllama.kv_cache import KVCache
 
@@ -105,12 +111,14 @@ class Llama:
         *,
         n_ctx: int | None = None,
         kv_precision: str = "f32",
+        trace_nonfinite: bool = False,
     ) -> None:
         self.config = config
         self.weights = weights
         self.backend = backend
         self.xp = backend.xp
         self.n_ctx = n_ctx or config.n_ctx
+        self.trace_nonfinite = trace_nonfinite  # name the first layer that makes NaN or inf
         self.cache = KVCache(
             config.n_layer,
             config.n_head_kv,
@@ -145,11 +153,23 @@ class Llama:
             h = rms_norm(x, layer.attn_norm, c.eps, xp=xp)
             x = x + self._attention(h, layer, i, pos, cos, sin, mask)
             x = x + self._mlp(rms_norm(x, layer.ffn_norm, c.eps, xp=xp), layer)
+            if self.trace_nonfinite:
+                self._check_finite(x, f"the output of layer {i}", pos)
         self.cache.length = pos + T
         if not all_logits:
             x = x[-1:, :]  # only the last position picks the next token
         logits = self.backend.matmul(rms_norm(x, w.output_norm, c.eps, xp=xp), w.output)
+        if self.trace_nonfinite:
+            self._check_finite(logits, "the logits", pos)
         return logits if all_logits else logits[0, :]
+
+    def _check_finite(self, x: Any, where: str, pos: int) -> None:
+        """Raise at the first non-finite value, naming where and at which position."""
+        xp = self.xp
+        bad = ~xp.all(xp.isfinite(x), axis=-1)  # (T,)
+        if bool(xp.any(bad)):
+            first = int(to_numpy(bad).argmax())
+            raise NonFiniteLogitsError(f"{where} is NaN or infinite at position {pos + first}")
 
     def apply_chat_template(
         self,
