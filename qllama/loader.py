@@ -111,8 +111,8 @@ def load(
     ``n_ctx`` caps the context (default: the model's). ``kv_precision="f16"`` emulates
     llama.cpp's half-precision KV cache. ``check_weights`` refuses NaN/inf block scales and
     float weights at load; ``trace_nonfinite`` checks every layer's output in the forward pass
-    and names the first that is NaN or infinite (slower). Extra keywords go to the backend (e.g. the numpy
-    backend's ``activations="f32"`` or ``activation_rounding="simd"``).
+    and names the first that is NaN or infinite (slower). Extra keywords go to the backend
+    (e.g. the numpy backend's ``activations="f32"`` or ``activation_rounding="simd"``).
     """
     from qllama.chat_template import ChatTemplate
     from qllama.tokenizer import Tokenizer

@@ -47,7 +47,8 @@ def load_transformers(path: str | os.PathLike[str]) -> Any:
     f = read_gguf(path)
     t = f.tensor("token_embd.weight")
     ours = quants.dequantize(f.tensor_data(t.name), t.ggml_type, t.shape)
-    theirs = model.get_input_embeddings().weight.detach().numpy()
+    embedding: Any = model.get_input_embeddings()
+    theirs = embedding.weight.detach().numpy()
     if theirs.shape != ours.shape or not np.array_equal(theirs, ours):
         raise ReferenceError("transformers' token embedding differs from the file's float32 values")
     return model
