@@ -150,17 +150,7 @@ def cmd_fetch(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     from qllama.loader import load
 
-    options = {}
-    if args.activations:
-        options["activations"] = args.activations
-    model = load(
-        args.file,
-        backend=args.backend,
-        device=args.device,
-        dequantize_all=True if args.dequantize_all else None,
-        n_ctx=args.ctx,
-        **options,
-    )
+    model = load(args.file, n_ctx=args.ctx, **_backend_options(args))
     if args.chat:
         prompt: str | list[int] = model.apply_chat_template(
             [{"role": "user", "content": args.prompt}]
@@ -182,7 +172,107 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- compare ----------------------------------------------------------------------------------
+
+
+def _backend_options(args: argparse.Namespace) -> dict[str, Any]:
+    options: dict[str, Any] = {"backend": args.backend, "device": args.device}
+    if args.dequantize_all:
+        options["dequantize_all"] = True
+    if args.activations:
+        options["activations"] = args.activations
+    return options
+
+
+def _never(x: int | None) -> str:
+    return "none" if x is None else str(x)
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from qllama import compare, metrics
+    from qllama.atomic import atomic_write
+    from qllama.loader import load
+
+    model = load(args.model, **_backend_options(args))
+    prompt = (
+        model.apply_chat_template([{"role": "user", "content": args.prompt}])
+        if args.chat
+        else model.tokenizer.encode(args.prompt)
+    )
+    source = args.reference or f"{args.model} (dequantize-all, numpy)"
+    if args.reference and args.reference.endswith(".npz"):
+        ref = compare.Reference.load(args.reference)
+        if ref.tokens[: ref.n_prompt] != list(prompt):
+            raise QllamaError(f"{args.reference} was made for another prompt")
+    else:
+        ref_model = load(args.reference or args.model, backend="numpy", dequantize_all=True)
+        ref = compare.reference_from_model(ref_model, prompt, max_new_tokens=args.max_new_tokens)
+    cont = ref.continuation
+    eos = bool(cont) and cont[-1] in model.tokenizer.stop_ids
+    print(f"reference: {source}; prompt {ref.n_prompt} tokens, {len(cont)} new (EOS: {_yes(eos)})")
+    tf = compare.teacher_forcing(model, ref, mode=args.mode)
+    s = tf.summary()
+    print(f"last position: max|Δlogit| = {s['step0_max_abs']:.4g}")
+    print(
+        f"teacher forcing ({args.mode}): step 0 max|Δ| {s['step0_max_abs']:.4g}, median "
+        f"{s['median_max_abs']:.4g}, max {s['max_max_abs']:.4g}; argmax {s['argmax_agree']}/"
+        f"{s['steps']}; first differing step {_never(s['first_flip'])}"
+    )
+    if s["flips"]:
+        flips = ", ".join(f"{f['step']} ({f['ref_margin']:.3f})" for f in s["flips"])
+        print(f"  differing steps (reference margin): {flips}")
+    kl = tf.kl
+    print(
+        f"  KL: mean {kl.mean_kld:.3e} ± {kl.mean_kld_unc:.1e}, same top {100 * kl.same_top:.1f}%, "
+        f"RMS Δp {100 * kl.rms_dp:.3f}%"
+    )
+    free = compare.free_generation(model, ref)
+    at = free.fork
+    print(
+        f"free generation: {'fork at token ' + str(at) if at is not None else 'no fork'} "
+        f"(length {len(free.tokens)}, EOS {'yes' if free.eos else 'no'})"
+    )
+    if at is not None:
+        c = free.context
+        print(f"  ...{c['prefix']!r} | reference: {c['reference']!r} | own: {c['own']!r}")
+        show = lambda top: ", ".join(f"{model.tokenizer.decode([t])!r} {v:.3f}" for t, v in top)  # noqa: E731
+        if at < len(cont):
+            print(
+                f"  top-3 at the fork: reference [{show(metrics.top_k(ref.step_logits[at]))}]; "
+                f"own [{show(metrics.top_k(tf.logits[at]))}]"
+            )
+    if args.verbose:
+        print(metrics.format_kl_stats(kl))
+    if args.json:
+        doc = {
+            "model": args.model,
+            "reference": source,
+            "prompt_ids": list(prompt),
+            "teacher_forcing": s,
+            "free_generation": free.summary(),
+        }
+        with atomic_write(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
 # --- entry point ------------------------------------------------------------------------------
+
+
+def _add_backend_args(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--backend", help="numpy | torch | jax | array_api_strict (default: numpy)")
+    s.add_argument("--device", help="cpu | cuda | mps (default: the backend's)")
+    s.add_argument(
+        "--dequantize-all", action="store_true", help="widen every weight to f32 at load"
+    )
+    s.add_argument(
+        "--activations", choices=["q8", "f32"], help="numpy: CPU (q8) or GPU (f32) arithmetic"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -209,23 +299,30 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--cache", help="cache folder (default $QLLAMA_CACHE or the user cache)")
     s.set_defaults(run=cmd_fetch)
 
+    s = sub.add_parser("compare", help="compare a model with a reference, step by step")
+    s.add_argument("model")
+    s.add_argument(
+        "--reference",
+        help="a reference .npz, or a GGUF run in f32 (default: MODEL itself, dequantize-all)",
+    )
+    s.add_argument("--prompt", required=True)
+    s.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    s.add_argument("--mode", choices=["steps", "batched"], default="steps", help="teacher forcing")
+    s.add_argument(
+        "--max-new-tokens", type=int, default=128, help="reference length (when generated)"
+    )
+    s.add_argument("--json", help="write every number here")
+    s.add_argument(
+        "-v", "--verbose", action="store_true", help="llama-perplexity's full KL statistics"
+    )
+    _add_backend_args(s)
+    s.set_defaults(run=cmd_compare)
+
     s = sub.add_parser("generate", help="generate text, streamed to stdout")
     s.add_argument("file")
     s.add_argument("--prompt", required=True, help="the prompt text")
     s.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    s.add_argument(
-        "--backend",
-        help="numpy | torch | jax | array_api_strict (default $QLLAMA_BACKEND or numpy)",
-    )
-    s.add_argument("--device", help="cpu | cuda | mps (default $QLLAMA_DEVICE or the backend's)")
-    s.add_argument(
-        "--dequantize-all", action="store_true", help="widen every weight to f32 at load"
-    )
-    s.add_argument(
-        "--activations",
-        choices=["q8", "f32"],
-        help="numpy backend: CPU (q8) or GPU (f32) arithmetic",
-    )
+    _add_backend_args(s)
     s.add_argument("--max-new-tokens", type=int, default=256)
     s.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
     s.add_argument("--top-k", type=int, default=0)

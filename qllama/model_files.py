@@ -150,7 +150,7 @@ def variant(name: str, file_type: str, *, cache: str | os.PathLike[str] | None =
 
     label = parse_file_type(file_type).label
     source = fetch(name, cache=cache) if label == "F32" else variant(name, "F32", cache=cache)
-    path = source.parent / "variants" / f"{Path(_source(name).filename).stem}.{label}.gguf"
+    path = cached_path(name, cache).parent / "variants" / f"{name}.{label}.gguf"
     marker = path.with_name(path.name + ".built")
     stamp = {"source": str(source.name), "source_stamp": _stamp(source), "qllama": __version__}
     try:

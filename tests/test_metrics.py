@@ -1,0 +1,60 @@
+"""Comparison metrics: llama-perplexity's KL statistics and their definitions."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from qllama import metrics
+
+
+def test_identical_logits_give_zero_divergence():
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((50, 100)).astype(np.float32)
+    s = metrics.kl_stats(logits, logits, rng.integers(0, 100, 50))
+    assert abs(s.mean_kld) < 1e-12 and s.same_top == 1.0 and s.rms_dp == 0.0
+    assert s.ppl_test == s.ppl_ref
+
+
+@settings(max_examples=30, deadline=None)
+@given(shift=st.floats(-50, 50), seed=st.integers(0, 1000))
+def test_kld_ignores_a_constant_shift_and_is_non_negative(shift, seed):
+    rng = np.random.default_rng(seed)
+    a = rng.standard_normal((20, 30)) * 3
+    b = a + rng.standard_normal((20, 30)) * 0.3
+    tokens = rng.integers(0, 30, 20)
+    s1, s2 = metrics.kl_stats(a, b, tokens), metrics.kl_stats(a, b + shift, tokens)
+    assert s1.mean_kld >= -1e-12
+    assert abs(s1.mean_kld - s2.mean_kld) < 1e-9
+
+
+def test_llama_cpp_definitions():
+    x = np.arange(11, dtype=np.float64)
+    assert metrics.percentile(x, 50) == 5.0 and metrics.percentile(x, 95) == 9.5
+    assert metrics.uncertainty(np.ones(10)) == 0.0  # ten values or fewer: no uncertainty
+    y = np.array([0.0, 1.0] * 10)
+    assert abs(metrics.uncertainty(y) - np.sqrt(0.25 / 19)) < 1e-12
+
+
+def test_margin_and_top_k():
+    row = np.array([1.0, 5.0, 4.5, -2.0])
+    assert metrics.margin(row[None])[0] == 0.5
+    assert metrics.top_k(row, 2) == [(1, 5.0), (2, 4.5)]
+
+
+def test_format_has_llama_perplexity_sections():
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal((40, 10))
+    text = metrics.format_kl_stats(
+        metrics.kl_stats(a, a + 0.1 * rng.standard_normal(a.shape), np.zeros(40, int))
+    )
+    for line in (
+        "====== KL divergence statistics ======",
+        "Mean    KLD:",
+        "99.9% KLD:",
+        "Median KLD:",
+        "RMS Δp",
+        "Same top p",
+    ):
+        assert line in text

@@ -1,0 +1,77 @@
+"""The F32 control against transformers, and the arithmetics against each other, on SmolLM2.
+
+These need the model file (fetched from PyPI) and transformers; they take a few minutes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+
+import qllama
+from qllama.array_api import to_numpy
+from qllama.model_files import variant
+
+pytestmark = pytest.mark.model
+MESSAGES = [{"role": "user", "content": "Explain how a CPU cache works."}]
+NEW_TOKENS = 300
+
+
+def _installed(name: str) -> None:
+    if importlib.util.find_spec(name) is None:
+        pytest.skip(f"{name} is not installed")
+
+
+@pytest.fixture(scope="module")
+def f32_reference():
+    """transformers f32 eager on qllama's F32 file: 300 greedy tokens, every position's logits."""
+    _installed("transformers")
+    from qllama.reference import transformers_reference
+
+    path = variant("smollm2-135m-instruct", "F32")
+    model = qllama.load(path, dequantize_all=True)
+    prompt = model.apply_chat_template(MESSAGES)
+    assert len(prompt) == 37
+    return path, transformers_reference(path, prompt, max_new_tokens=NEW_TOKENS)
+
+
+def greedy(model, prompt, n):
+    return model.generate(prompt, max_new_tokens=n).ids
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch", "jax"])
+def test_f32_control_matches_transformers(f32_reference, backend):
+    _installed(backend)
+    path, ref = f32_reference
+    model = qllama.load(path, backend=backend)
+    logits = to_numpy(model.forward(ref.tokens, all_logits=True))
+    worst = np.abs(logits - ref.logits).max(axis=-1)
+    assert len(ref.tokens) == 37 + NEW_TOKENS
+    assert worst.max() < 1e-3, f"max |Δlogit| {worst.max():.2e} at position {int(worst.argmax())}"
+    assert greedy(model, ref.tokens[: ref.n_prompt], NEW_TOKENS) == ref.continuation
+
+
+@pytest.mark.parametrize("file_type", ["Q8_0", "Q4_K_M"])
+def test_gpu_arithmetic_equals_dequantize_all(f32_reference, file_type):
+    _installed("torch")
+    ref = f32_reference[1]
+    path = variant("smollm2-135m-instruct", file_type)
+    gpu = qllama.load(path, backend="torch")
+    dequantized = qllama.load(path, backend="numpy", dequantize_all=True)
+    a = to_numpy(gpu.forward(ref.tokens, all_logits=True))
+    b = to_numpy(dequantized.forward(ref.tokens, all_logits=True))
+    assert np.abs(a - b).max() < 1e-3
+    prompt = ref.tokens[: ref.n_prompt]
+    assert greedy(gpu, prompt, 48) == greedy(dequantized, prompt, 48)
+
+
+def test_cpu_arithmetic_is_really_different_on_q8_0(f32_reference):
+    ref = f32_reference[1]
+    path = variant("smollm2-135m-instruct", "Q8_0")
+    cpu = to_numpy(qllama.load(path, backend="numpy").forward(ref.tokens, all_logits=True))
+    f32_acts = to_numpy(
+        qllama.load(path, backend="numpy", dequantize_all=True).forward(ref.tokens, all_logits=True)
+    )
+    assert np.abs(cpu - f32_acts).max() > 1e-3
