@@ -1,6 +1,6 @@
-"""Sessions: tests, lint, and (as the project grows) experiments, reference, bench, fuzz.
+"""Sessions: tests, lint, reference, experiments, peers, bench, fuzz.
 
-``nox -s tests`` is what CI runs; ``nox -l`` lists everything.
+``nox -s tests`` and ``nox -s experiments`` are what CI runs; ``nox -l`` lists everything.
 """
 
 from __future__ import annotations
@@ -13,15 +13,37 @@ nox.options.reuse_existing_virtualenvs = True
 # torch 2.13.0 is the CPU build on this project's machines; a looser pin pulls a CUDA
 # build of several GB. The package itself asks only for "torch>=2.2" so a Mac gets MPS.
 TORCH = "torch==2.13.0"
+# The reference's versions: transformers changes what gguf_file= runs between releases.
+REFERENCE = ["transformers==5.24.0", "accelerate==1.15.0", "gguf==0.19.0"]
 
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """The test suite (slow tests excluded; `nox -s tests -- -m slow` runs them)."""
-    session.install(TORCH)
-    session.install(".[dev,torch,jax]")
+    """The test suite (slow tests excluded; `nox -s tests -- -m slow` runs them).
+
+    qllama is installed as a wheel (not editable) and pytest does not put the repository on
+    sys.path, so the tests exercise what `pip install .` gives.
+    """
+    session.install(TORCH, *REFERENCE)
+    session.install(".[dev,torch,jax,reference,fast]")
     args = session.posargs or ["-m", "not slow"]
     session.run("pytest", *args)
+
+
+@nox.session
+def reference(session: nox.Session) -> None:
+    """The transformers f32 reference of the study, cached in results/ with its provenance."""
+    session.install(TORCH, *REFERENCE)
+    session.install("-e", ".[reference]")
+    session.run("python", "-m", "experiments.reference", *session.posargs)
+
+
+@nox.session(requires=["reference"])
+def experiments(session: nox.Session) -> None:
+    """The study: every cell of the matrix, docs/results.md, and the findings' assertions."""
+    session.install(TORCH)
+    session.install("-e", ".[torch,jax,fast,plot]")
+    session.run("python", "-m", "experiments.run", *session.posargs)
 
 
 LLAMA_CPP = "llama-cpp-python==0.3.36"
@@ -48,3 +70,14 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
     session.run("mypy", "qllama", "backends")
+
+
+@nox.session
+def fuzz(session: nox.Session) -> None:
+    """Mutation fuzzing of the GGUF loader, bounded: `nox -s fuzz -- --cases N --seconds S`.
+
+    Prints the figures (cases, error classes, escapes, peak memory); exits 1 on an escape.
+    `-- --out DIR` also writes summary.json and the escaping inputs.
+    """
+    session.install(".[dev]")
+    session.run("python", "fuzz/gguf_mutations.py", *session.posargs)

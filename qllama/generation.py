@@ -71,10 +71,13 @@ class Generation:
     finish_reason: str = ""  # "eos", "stop" (a stop string), "length" (max tokens or context)
 
 
-def _check_finite(logits: np.ndarray, step: int) -> None:
+def _check_finite(logits: np.ndarray, step: int, pos: int) -> None:
     if not np.isfinite(logits).all():
         n = int((~np.isfinite(logits)).sum())
-        raise NonFiniteLogitsError(f"step {step}: {n} of {logits.size} logits are NaN or infinite")
+        raise NonFiniteLogitsError(
+            f"step {step} (the logits of position {pos - 1}): {n} of {logits.size} logits are "
+            "NaN or infinite; load with trace_nonfinite=True to find the first layer"
+        )
 
 
 def generate_ids(
@@ -104,7 +107,7 @@ def generate_ids(
     logits = to_numpy(model.forward(prompt, pos=0))
     pos = len(prompt)
     for step in range(max_new_tokens):
-        _check_finite(logits, step)
+        _check_finite(logits, step, pos)
         token = sampler.pick(logits, rng)
         yield token
         if token in stop_ids or pos >= model.n_ctx or step == max_new_tokens - 1:
@@ -115,7 +118,7 @@ def generate_ids(
 
 def stream(
     model: Llama,
-    prompt: str | Sequence[int],
+    prompt: str | bytes | Sequence[int],
     result: Generation | None = None,
     *,
     max_new_tokens: int = 256,
@@ -129,10 +132,15 @@ def stream(
 
     Stops at an end-of-sequence/end-of-turn token (not part of the text), at any of the
     ``stop`` strings (cut from the text), after ``max_new_tokens``, or at the end of the
-    context. ``prompt`` is text (encoded with the model's tokenizer) or token ids.
+    context. ``prompt`` is text (``str`` or UTF-8 ``bytes``, encoded with the model's
+    tokenizer) or token ids.
     """
+    from qllama.model import token_list
+
     tok = model.tokenizer
-    prompt_ids = tok.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+    # bytes are text too (invalid UTF-8 becomes U+FFFD), not a sequence of token ids
+    text = isinstance(prompt, str | bytes)
+    prompt_ids = tok.encode(prompt) if text else token_list(prompt)
     out = result if result is not None else Generation(prompt_ids=[])
     out.prompt_ids = prompt_ids
     sampler = Sampler(temperature, top_k, top_p, seed)
@@ -169,7 +177,7 @@ def stream(
 
 def generate(
     model: Llama,
-    prompt: str | Sequence[int],
+    prompt: str | bytes | Sequence[int],
     *,
     on_text: Callable[[str], Any] | None = None,
     **options: Any,

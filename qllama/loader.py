@@ -8,6 +8,7 @@ default) that no block scale or norm weight is NaN or infinite.
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 import numpy as np
@@ -51,8 +52,9 @@ def expected_tensors(c: LlamaConfig, *, tied: bool) -> dict[str, tuple[int, ...]
 def check_tensors(f: GGUFFile, c: LlamaConfig) -> dict[str, TensorInfo]:
     """Presence, shape and supported type of every needed tensor (before any allocation)."""
     tied = "output.weight" not in f.tensors
+    expected = expected_tensors(c, tied=tied)
     found: dict[str, TensorInfo] = {}
-    for name, shape in expected_tensors(c, tied=tied).items():
+    for name, shape in expected.items():
         t = f.tensors.get(name)
         if t is None:
             raise ModelConfigError(f"missing tensor '{name}'")
@@ -66,6 +68,15 @@ def check_tensors(f: GGUFFile, c: LlamaConfig) -> dict[str, TensorInfo]:
             )
         quants.get(t.ggml_type)  # refuse types qllama cannot compute with, naming them
         found[name] = t
+    # llama.cpp refuses extra tensors; qllama names them and goes on, so a file with, say,
+    # rope_freqs.weight (Llama 3.1) loads, but cannot pass unnoticed as computed exactly
+    extra = [name for name in f.tensors if name not in expected]
+    if extra:
+        shown = ", ".join(f"'{n}'" for n in extra[:5]) + (", ..." if len(extra) > 5 else "")
+        warnings.warn(
+            f"{len(extra)} tensor(s) of the file are not used by the llama model: {shown}",
+            stacklevel=4,
+        )
     return found
 
 
@@ -114,13 +125,49 @@ def load(
     and names the first that is NaN or infinite (slower). Extra keywords go to the backend
     (e.g. the numpy backend's ``activations="f32"`` or ``activation_rounding="simd"``).
     """
+    f = read_gguf(path)
+    try:
+        return _build(
+            f,
+            backend,
+            device,
+            dequantize_all,
+            n_ctx=n_ctx,
+            kv_precision=kv_precision,
+            check_weights=check_weights,
+            trace_nonfinite=trace_nonfinite,
+            **backend_options,
+        )
+    except BaseException:
+        f.close()  # all or nothing: a refused file leaves no map open
+        raise
+
+
+def _build(
+    f: GGUFFile,
+    backend: str | Backend | None,
+    device: str | None,
+    dequantize_all: bool | None,
+    *,
+    n_ctx: int | None,
+    kv_precision: str,
+    check_weights: bool,
+    trace_nonfinite: bool,
+    **backend_options: Any,
+) -> Llama:
+    """:func:`load` on an open file: every check, then the backend, then the model."""
     from qllama.chat_template import ChatTemplate
     from qllama.tokenizer import Tokenizer
 
-    f = read_gguf(path)
     config = LlamaConfig.from_gguf(f)
     if n_ctx is not None and not 1 <= n_ctx:
         raise ModelConfigError(f"n_ctx must be at least 1, not {n_ctx}")
+    if n_ctx is not None and n_ctx > config.n_ctx:
+        # as llama.cpp: allowed (RoPE scaling may extend a model), but worth a warning
+        warnings.warn(
+            f"n_ctx {n_ctx} is longer than the {config.n_ctx} positions the model was trained for",
+            stacklevel=3,
+        )
     tensors = check_tensors(f, config)
     if check_weights:
         check_finite(f, tensors)

@@ -12,6 +12,7 @@ unpermuted weights (ggml_semantics §3.4; transformers undoes the permutation at
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -93,6 +94,24 @@ def silu(x: Any, *, xp: Any) -> Any:
     return x * (1.0 / (1.0 + xp.exp(-x)))
 
 
+def token_list(ids: Sequence[int] | Any) -> list[int]:
+    """Token ids as a list of ints: a 1-D sequence or array of integers, nothing else (a float
+    such as 1.5 is refused, not truncated to 1)."""
+    seq = ids
+    if not isinstance(ids, list | tuple):
+        arr = to_numpy(ids)
+        if arr.ndim != 1:
+            raise InvalidTokenError(f"token ids must be 1-D, got shape {tuple(arr.shape)}")
+        seq = arr.tolist()
+    out = []
+    for j, t in enumerate(seq):
+        try:
+            out.append(operator.index(t))
+        except TypeError:
+            raise InvalidTokenError(f"token[{j}] = {t!r} is not an integer") from None
+    return out
+
+
 # --- the model ----------------------------------------------------------------------------------
 
 
@@ -127,8 +146,11 @@ class Llama:
             device=backend.device,
             precision=kv_precision,
         )
-        cos, sin = rope_tables(self.n_ctx, config.head_dim, config.rope_base, xp=self.xp)
-        self.rope_cos, self.rope_sin = backend.asarray(cos), backend.asarray(sin)
+        # RoPE tables grow with the cache, not to n_ctx at once: a file may declare a context
+        # of 2^24 positions, and tables that long would take gigabytes before any token runs
+        self.rope_cos: Any = None
+        self.rope_sin: Any = None
+        self._rope_positions = 0
         self.tokenizer: Any = None  # set by qllama.load from the file's vocabulary
         self.chat_template: Any = None
         self.source: Any = None  # the GGUFFile the weights are views of
@@ -140,6 +162,7 @@ class Llama:
         T = tokens.shape[0]
         self.cache.reset(pos)
         self.cache.reserve(pos + T)
+        self._grow_rope(self.cache.capacity)
         # positions as arrays, not Python slices: shapes then stay put from token to token
         where = self.cache.slots[:T] + pos  # (T,) positions of the new tokens
         cos = xp.take(self.rope_cos, where, axis=0)  # (T, head_dim/2)
@@ -162,6 +185,14 @@ class Llama:
         if self.trace_nonfinite:
             self._check_finite(logits, "the logits", pos)
         return logits if all_logits else logits[0, :]
+
+    def _grow_rope(self, n: int) -> None:
+        """RoPE tables for positions ``< n`` (row i does not depend on n: same values)."""
+        if n > self._rope_positions:
+            c = self.config
+            cos, sin = rope_tables(n, c.head_dim, c.rope_base, xp=self.xp)
+            self.rope_cos, self.rope_sin = self.backend.asarray(cos), self.backend.asarray(sin)
+            self._rope_positions = n
 
     def _check_finite(self, x: Any, where: str, pos: int) -> None:
         """Raise at the first non-finite value, naming where and at which position."""
@@ -221,9 +252,13 @@ class Llama:
 
     def _tokens(self, ids: Sequence[int] | Any, pos: int) -> Any:
         """Check ids and positions before any work; ids as an integer array of the backend."""
-        flat = [int(t) for t in (ids if isinstance(ids, list | tuple) else to_numpy(ids).tolist())]
+        flat = token_list(ids)
         if not flat:
             raise InvalidTokenError("no tokens to run (empty prompt)")
+        try:
+            pos = operator.index(pos)
+        except TypeError:
+            raise SequenceError(f"pos must be an integer, not {pos!r}") from None
         bad = [(j, t) for j, t in enumerate(flat) if not 0 <= t < self.config.n_vocab]
         if bad:
             j, t = bad[0]

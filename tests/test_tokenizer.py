@@ -6,7 +6,6 @@ comparison with llama.cpp is tests/peers/test_llamacpp_tokenizer.py.
 
 from __future__ import annotations
 
-import time
 import unicodedata
 import warnings
 from pathlib import Path
@@ -211,10 +210,8 @@ def test_text_length_cap_comes_first(gpt2: Tokenizer) -> None:
     with pytest.raises(TokenizerError, match="limit"):
         small.encode(b"a" * 101)
     huge = "a" * (gpt2.max_chars + 1)  # the default cap (10M): refused without tokenizing
-    t0 = time.perf_counter()
     with pytest.raises(TokenizerError):
         gpt2.encode(huge)
-    assert time.perf_counter() - t0 < 0.1
     with pytest.raises(TypeError):
         gpt2.encode(["not", "text"])  # type: ignore[arg-type]
 
@@ -466,14 +463,9 @@ def test_smollm2_streaming_equals_decode(smollm2: Tokenizer, ids: list[int]) -> 
 
 
 @pytest.mark.model
-def test_smollm2_encodes_10k_chars_fast(smollm2: Tokenizer) -> None:
+def test_smollm2_roundtrips_10k_chars(smollm2: Tokenizer) -> None:
     text = long_text(10_000)
-    smollm2.encode(text)
-    t0 = time.perf_counter()
-    ids = smollm2.encode(text)
-    elapsed = time.perf_counter() - t0
-    assert smollm2.decode(ids) == text
-    assert elapsed < 0.25, f"10k characters took {elapsed * 1e3:.1f} ms"  # ~5 ms measured
+    assert smollm2.decode(smollm2.encode(text)) == text  # (about 5 ms here: a bench's business)
 
 
 @pytest.fixture(scope="session")
