@@ -12,13 +12,23 @@ The pieces a researcher uses most are importable from here; each lives in a modu
 
 from __future__ import annotations
 
-from qllama import errors, quants
-from qllama.errors import QllamaError
-from qllama.file_quantizer import quantize_file
-from qllama.gguf_reader import GGUFFile, read_gguf
-from qllama.gguf_writer import GGUFWriter
-from qllama.loader import load
-from qllama.model_files import fetch
+from pathlib import Path
+
+# The repository keeps the backends in a top-level backends/ folder, which pyproject.toml
+# installs as qllama.backends. Imported from a source checkout that is not installed (a
+# subprocess started in the repository, `python -m` from its root), qllama would not find
+# them; point the subpackage search at the checkout too. Installed, the folder is not there.
+_checkout = Path(__file__).resolve().parent.parent
+if (_checkout / "backends" / "__init__.py").is_file() and (_checkout / "pyproject.toml").is_file():
+    __path__.append(str(_checkout))
+
+from qllama import errors, quants  # noqa: E402
+from qllama.errors import QllamaError  # noqa: E402
+from qllama.file_quantizer import quantize_file  # noqa: E402
+from qllama.gguf_reader import GGUFFile, read_gguf  # noqa: E402
+from qllama.gguf_writer import GGUFWriter  # noqa: E402
+from qllama.loader import load  # noqa: E402
+from qllama.model_files import fetch  # noqa: E402
 
 __version__ = "0.1.0"
 
