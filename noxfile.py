@@ -81,3 +81,21 @@ def fuzz(session: nox.Session) -> None:
     """
     session.install(".[dev]")
     session.run("python", "fuzz/gguf_mutations.py", *session.posargs)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Speed and memory against transformers and llama.cpp, 2 threads: writes docs/bench.md.
+
+    Builds llama-cpp-python (~6 min; skipped with a note in the report if it fails), then
+    runs every configuration in its own process (~30 min on 2 cores). Run it on a quiet
+    machine: the report records the load average. `-- --quick` or `-- --only TEXT` for less.
+    """
+    session.install(TORCH, *REFERENCE)
+    session.install(".[torch,jax,fast,reference]")
+    note = []
+    try:
+        session.install(LLAMA_CPP, env={"CMAKE_ARGS": LLAMA_CPP_CMAKE})
+    except nox.command.CommandFailed:
+        note = ["--llama-note", f"{LLAMA_CPP} did not build (CMAKE_ARGS={LLAMA_CPP_CMAKE})"]
+    session.run("python", "benchmarks/bench.py", *note, *session.posargs)

@@ -24,11 +24,21 @@ the oracle for faster CPU kernels, so it favours clarity and exactness over spee
 Options: ``activations="q8"`` (the above) or ``"f32"`` (the GPU arithmetic on numpy:
 float32 activations times the dequantized weight), ``activation_rounding``, and
 ``dequantize_all`` (weights widened to float32 once, at load; plain float32 matmuls).
+
+``kernels="numba"`` (the default when numba is installed) computes the ``q8`` arithmetic with
+the compiled kernels of :mod:`qllama.backends.cpu_kernels`: the same float32 values, bit for
+bit, from the file's bytes, many times faster; F32 weights are then multiplied as zero-copy
+views of the file, in the same chunks as here (F16 and BF16 weights keep the plain path).
+``kernels="numpy"`` keeps this plain path, the oracle the kernels are tested against.
+``threads`` sets numba's thread count for the kernels (default: numba's own in the calling
+thread at its first matmul, i.e. ``NUMBA_NUM_THREADS`` or the number of cores).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import threading
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -46,14 +56,26 @@ F32 = np.float32
 
 ACTIVATIONS = ("q8", "f32")
 ROUNDINGS = ("ref", "simd")
+KERNELS = ("numba", "numpy")
 FLOAT_DOT_TYPES = ("F32", "F16", "BF16")  # vec_dot types of the float weight formats
 
 # ggml has no CPU vec_dot for weights stored in its activation formats
 Q8_WEIGHT_TYPES = ALL_TYPES - {GGMLType.Q8_1, GGMLType.Q8_K}
+# the formats the compiled kernels compute (the float ones go through BLAS either way)
+KERNEL_LEGACY = frozenset(GGMLType[n] for n in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"))
+KERNEL_KQUANTS = frozenset(GGMLType[n] for n in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"))
 
 # Largest |q| of an activation block: 127, or -128 where the AVX2 quantizer saturates a NaN.
 _ACT_BOUND = 128
 _EXACT_F32 = 2**24  # every integer up to this magnitude is exact in float32
+# Below this many multiply-adds a matmul runs on one thread (~20 us): waking a second one
+# and meeting it at the end costs about as much.
+SERIAL_MACS = 1 << 17
+
+
+def kernels_available() -> bool:
+    """Whether the compiled kernels can run here (numba is installed; not imported yet)."""
+    return importlib.util.find_spec("numba") is not None
 
 
 @dataclass(frozen=True)
@@ -214,13 +236,26 @@ class NumpyBackend(ArrayBackend):
         activations: str = "q8",
         activation_rounding: Rounding = "ref",
         work_bytes: int = 64 << 20,
+        kernels: str | None = None,
+        threads: int | None = None,
         **options: Any,
     ) -> None:
         if options:
             raise BackendError(
                 f"backend numpy has no options {sorted(options)}; it takes activations, "
-                "activation_rounding and work_bytes"
+                "activation_rounding, work_bytes, kernels and threads"
             )
+        if kernels is None:
+            kernels = "numba" if kernels_available() else "numpy"
+        if kernels not in KERNELS:
+            raise BackendError(f"backend numpy: kernels must be one of {KERNELS}, not {kernels!r}")
+        if kernels == "numba" and not kernels_available():
+            raise BackendError(
+                "backend numpy: kernels='numba' needs numba; install it with "
+                "pip install 'qllama[fast]', or use kernels='numpy'"
+            )
+        if threads is not None and threads < 1:
+            raise BackendError(f"backend numpy: threads must be at least 1, not {threads}")
         if activations not in ACTIVATIONS:
             raise BackendError(
                 f"backend numpy: activations must be one of {ACTIVATIONS}, not {activations!r}"
@@ -240,6 +275,9 @@ class NumpyBackend(ArrayBackend):
         self.activations = activations
         self.activation_rounding = activation_rounding
         self.work_bytes = work_bytes
+        self.kernels = kernels
+        self.threads = threads
+        self._kernel_state: tuple[int, Any, int] | None = None  # thread id, module, threads
 
     @property
     def weight_types(self) -> frozenset[GGMLType]:
@@ -297,6 +335,11 @@ class NumpyBackend(ArrayBackend):
 
     def _matmul_q8(self, x: np.ndarray, w: Packed) -> np.ndarray:
         """ggml's CPU matmul: quantize the activations once, then ``vec_dot`` by chunks."""
+        if self.kernels == "numba":
+            if w.tensor.ggml_type in KERNEL_LEGACY or w.tensor.ggml_type in KERNEL_KQUANTS:
+                return self._matmul_kernels(x, w)
+            if w.tensor.ggml_type == GGMLType.F32:
+                return self._matmul_f32_view(x, w)
         act_type = quants.get(w.fmt.vec_dot_type)
         # F16 / BF16 activations round one way only; Q8_K's "simd" is its "ref" anyway
         rounding: Rounding = self.activation_rounding if len(act_type.roundings) > 1 else "ref"
@@ -328,6 +371,45 @@ class NumpyBackend(ArrayBackend):
             for t0 in range(0, tokens, token_step):
                 t = slice(t0, min(tokens, t0 + token_step))
                 out[t, rows] = vec_dot(acts, wb, t)
+        return out
+
+    def _matmul_kernels(self, x: np.ndarray, w: Packed) -> np.ndarray:
+        """The same numbers as :meth:`_matmul_q8`'s integer path, from compiled kernels."""
+        ck, threads = self._kernels_for_this_thread()
+        x = np.ascontiguousarray(x, dtype=F32)
+        tokens, k = x.shape
+        raw, code, rows = w.tensor.data, int(w.tensor.ggml_type), w.tensor.rows
+        serial = threads == 1 or tokens * k * rows < SERIAL_MACS
+        kernel = ck.kernel(code, serial=serial)
+        out: np.ndarray = kernel(raw, rows, x, self.activation_rounding == "simd", threads)
+        return out
+
+    def _kernels_for_this_thread(self) -> tuple[Any, int]:
+        """The kernels module and numba's thread count in the calling thread (numba keeps
+        one per thread), set from ``threads`` on the first call there; a few microseconds
+        saved on each of a decode step's 200 matmuls."""
+        ident = threading.get_ident()
+        if self._kernel_state is None or self._kernel_state[0] != ident:
+            import numba
+
+            from qllama.backends import cpu_kernels
+
+            if self.threads is not None:
+                numba.set_num_threads(self.threads)
+            self._kernel_state = (ident, cpu_kernels, numba.get_num_threads())
+        return self._kernel_state[1], self._kernel_state[2]
+
+    def _matmul_f32_view(self, x: np.ndarray, w: Packed) -> np.ndarray:
+        """F32 weights: the oracle's BLAS products, on a view of the file instead of a copy.
+
+        Same activations (F32 "quantization" copies bits), same row chunks, same shapes: the
+        same BLAS calls as the plain path.
+        """
+        tokens, k = x.shape
+        view = w.tensor.data.view("<f4").reshape(w.tensor.shape)
+        out = np.empty((tokens, w.tensor.rows), dtype=F32)
+        for rows in self._row_chunks(w, per_row=16 * k + 8 * tokens):
+            out[:, rows] = np.matmul(x, view[rows].T)
         return out
 
     def _row_chunks(self, w: Packed, *, per_row: int) -> list[slice]:

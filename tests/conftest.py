@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -37,3 +39,26 @@ def smollm2_path() -> Path:
     from qllama.model_files import fetch
 
     return fetch("smollm2-135m-instruct")
+
+
+@pytest.fixture
+def open_files() -> Callable[[Path], int]:
+    """How many of this process's descriptors point at a file.
+
+    Counting every descriptor is flaky (the GC closes other tests' files at any time), so tests
+    that check a refused load closed its file count that file's, before and after.
+    """
+    fd_dir = "/proc/self/fd"
+    if not os.path.isdir(fd_dir):
+        pytest.skip("no /proc/self/fd on this platform")
+
+    def count(path: Path) -> int:
+        target, n = str(Path(path).resolve()), 0
+        for fd in os.listdir(fd_dir):
+            try:
+                n += os.readlink(os.path.join(fd_dir, fd)) == target
+            except OSError:  # closed between listdir and readlink
+                continue
+        return n
+
+    return count

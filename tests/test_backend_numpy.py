@@ -173,7 +173,7 @@ def test_options_and_devices_are_checked():
     with pytest.raises(BackendError, match="activation_rounding must be one of"):
         NumpyBackend(activation_rounding="nearest")  # type: ignore[arg-type]
     with pytest.raises(BackendError, match="no options"):
-        NumpyBackend(threads=4)
+        NumpyBackend(lanes=4)
     assert NumpyBackend(device="cpu").device == "cpu"
     backend = get_backend("numpy", device="cpu", dequantize_all=False, activations="f32")
     assert isinstance(backend, NumpyBackend) and backend.activations == "f32"

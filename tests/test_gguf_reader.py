@@ -387,14 +387,14 @@ def test_D28_data_one_byte_short():
 # --- global contract --------------------------------------------------------------------------
 
 
-def test_failed_reads_leave_no_open_file(tmp_path):
+def test_failed_reads_leave_no_open_file(tmp_path, open_files):
     p = tmp_path / "bad.gguf"
     p.write_bytes(valid_file()[:-1])
-    before = len(os.listdir("/proc/self/fd"))
+    before = open_files(p)
     for _ in range(20):
         with pytest.raises(GGUFTruncatedError):
             read_gguf(p)
-    assert len(os.listdir("/proc/self/fd")) == before
+    assert open_files(p) == before
 
 
 def test_views_are_read_only_and_zero_copy(tmp_path):

@@ -8,7 +8,6 @@ raised before anything is allocated from the bad value.
 
 from __future__ import annotations
 
-import os
 import struct
 import subprocess
 import sys
@@ -471,13 +470,15 @@ def test_F39_invalid_utf8_in_a_token_string(tiny: Path, tmp_path: Path) -> None:
 # --- global contract: (e) all or nothing, (f) no assert ----------------------------------------
 
 
-def test_refused_loads_leave_no_open_file(tiny: Path, tmp_path: Path) -> None:
+def test_refused_loads_leave_no_open_file(
+    tiny: Path, tmp_path: Path, open_files: Callable[[Path], int]
+) -> None:
     p = rewrite(tiny, tmp_path / "bad.gguf", tensors={"blk.1.ffn_down.weight": DROP})
-    before = len(os.listdir("/proc/self/fd"))
+    before = open_files(p)
     for _ in range(20):
         with pytest.raises(ModelConfigError):
             qllama.load(p)
-    assert len(os.listdir("/proc/self/fd")) == before
+    assert open_files(p) == before
 
 
 def test_checks_survive_python_O(tiny: Path, tmp_path: Path) -> None:

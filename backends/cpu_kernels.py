@@ -1,0 +1,547 @@
+"""Compiled matmuls (numba) for the CPU arithmetic: the oracle's numbers, bit for bit, fast.
+
+:mod:`qllama.backends.numpy_cpu` states what ggml's CPU computes and computes it plainly;
+these kernels compute exactly the same float32 values (checked bit for bit in
+``tests/test_cpu_kernels.py``) from the file's bytes, keeping nothing of a weight between
+calls. One call of ``kernel(fmt, serial=...)(raw, rows, x, simd, threads)``:
+
+1. quantizes the activation rows (:mod:`qllama.backends.cpu_quantize`);
+2. per weight row, decodes each block in registers (:mod:`qllama.backends.cpu_simd`) and
+   takes its exact integer sums with the tokens' blocks: unsigned by signed
+   (``vpdpbusd``): stored codes by activations for Q4/Q5, activations ``+ 128`` by weights
+   for Q8_0, then the corrections (the codes' centre times the activations' block sum, or
+   128 times the weights' block sum) that give ``integer_form``'s integers; K-quants keep
+   ggml's 8 accumulator lanes;
+3. combines the float32 terms in the order of ggml's generic C: per block, in block order,
+   ``(d*y.d)*isum`` (+ ``m*y.s``, - ``(dmin*y.d)*msum``), as the oracle does.
+
+Few tokens (decoding): rows in groups of 4, each row's blocks 16 at a time against one
+token. Many tokens (prefill, teacher forcing): each weight block is decoded once and meets
+16 tokens at a time held in the vector lanes (``token_dots``), so that a block costs a few
+instructions per 16 tokens. Rows are split over numba's threads; each format has its own
+compiled kernel, parallel and serial (the serial one for small matmuls and one thread).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from numba import njit, prange
+
+from qllama.backends.cpu_quantize import INLINE, JIT, TOKEN_TILE, q8_row, q8k_row
+from qllama.backends.cpu_simd import (
+    KQUANTS,
+    LEGACY,
+    Q2_K,
+    Q3_K,
+    Q4_0,
+    Q4_1,
+    Q4_K,
+    Q5_0,
+    Q5_1,
+    Q5_K,
+    Q6_K,
+    Q8_0,
+    decode_block,
+    decode_scales,
+    dots,
+    half_to_float,
+    lanes8,
+    token_dots,
+    token_wdots,
+)
+from qllama.ggml_types import GGMLType
+
+F32 = np.float32
+
+
+@njit(**INLINE)
+def _type_size(fmt: int) -> int:
+    """Bytes per block of a format id."""
+    sizes = (Q4_0, 18, Q4_1, 20, Q5_0, 22, Q5_1, 24, Q8_0, 34)
+    sizes_k = (Q2_K, 84, Q3_K, 110, Q4_K, 144, Q5_K, 176, Q6_K, 210)
+    for i in range(0, 10, 2):
+        if sizes[i] == fmt:
+            return sizes[i + 1]
+        if sizes_k[i] == fmt:
+            return sizes_k[i + 1]
+    return 0
+
+
+# --- legacy 32-blocks: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 --------------------------------------------
+
+
+@njit(**INLINE)
+def _decode_stored(raw, off, q, qo, fmt):
+    """A block's codes as stored (unsigned) into ``q[qo:qo+32]``; Q8_0 has nothing to do."""
+    if fmt == Q4_0:
+        decode_block(raw, off, q, qo, Q4_0, 1)
+    elif fmt == Q4_1:
+        decode_block(raw, off, q, qo, Q4_1, 1)
+    elif fmt == Q5_0:
+        decode_block(raw, off, q, qo, Q5_0, 1)
+    elif fmt == Q5_1:
+        decode_block(raw, off, q, qo, Q5_1, 1)
+
+
+@njit(**INLINE)
+def _centre(fmt: int) -> int:
+    """What the signed code is below the stored one: 8 (Q4_0), 16 (Q5_0), else 0."""
+    return 8 if fmt == Q4_0 else 16 if fmt == Q5_0 else 0
+
+
+@njit(**INLINE)
+def _matmul_legacy(raw, fmt, rows, x, simd, threads):
+    """``x @ W.T`` in ggml's CPU arithmetic for a weight of 32-blocks ``fmt`` (file bytes
+    ``raw``, ``rows`` rows): quantize ``x`` (T, K) to Q8_0 / Q8_1, then per row the generic
+    vec_dot, block terms added in block order. Returns (T, rows) float32.
+
+    The integer sums are taken unsigned by signed (what ``vpdpbusd`` multiplies): the stored
+    codes by the activations, minus 8 or 16 times the activations' block sum for Q4_0 /
+    Q5_0; for Q8_0, the activations offset by 128 (``x ^ 0x80``) by the weights, minus 128
+    times the weights' block sum. The same integers as ``integer_form``'s.
+    """
+    tokens, k = x.shape
+    nb = k // 32
+    ts = _type_size(fmt)
+    has_m = fmt == Q4_1 or fmt == Q5_1
+    qx = np.empty(tokens * k, np.int8)
+    dx = np.empty((tokens, nb), np.float32)
+    sx = np.zeros((tokens, nb), np.float32)
+    flat = x.reshape(-1)
+    for t in prange(tokens):
+        q8_row(flat, t, k, simd, has_m, qx, dx, sx)
+    # the other operand of the unsigned-by-signed products, and the corrections' sums
+    xu = np.empty(tokens * k if fmt == Q8_0 else 0, np.uint8)
+    xsum = np.zeros((nb, tokens), np.int32)
+    if fmt == Q8_0:
+        for i in range(tokens * k):
+            xu[i] = np.uint8(qx[i]) ^ 0x80
+    elif _centre(fmt):
+        for t in range(tokens):
+            for b in range(nb):
+                acc = 0
+                for j in range(32):
+                    acc += qx[t * k + b * 32 + j]
+                xsum[b, t] = acc
+    out = np.empty((tokens, rows), np.float32)
+    chunks = max(1, min(rows, threads))
+    if tokens < TOKEN_TILE:
+        for c in prange(chunks):
+            r0, r1 = c * rows // chunks, (c + 1) * rows // chunks
+            _legacy_rows(raw, fmt, ts, r0, r1, qx, xu, xsum, dx, sx, out)
+    else:
+        # the activations of each block four by four per token, 16 tokens a vector
+        # (``token_dots``); the last tile padded with zeros
+        tpad = (tokens + 15) // 16 * 16
+        xv = np.zeros(nb * 8 * tpad * 4, np.uint8)
+        flip = 0x80 if fmt == Q8_0 else 0
+        for t in prange(tokens):
+            for b in range(nb):
+                for g in range(8):
+                    o = ((b * 8 + g) * tpad + t) * 4
+                    for c in range(4):
+                        xv[o + c] = np.uint8(qx[t * k + b * 32 + 4 * g + c]) ^ flip
+        dxt = np.ascontiguousarray(dx.T)
+        sxt = np.ascontiguousarray(sx.T)
+        parts = _parts(rows, threads)
+        for c in prange(parts):
+            r0, r1 = _part(rows, parts, c)
+            _legacy_tiles(raw, fmt, ts, r0, r1, xv, tpad, xsum, dxt, sxt, out)
+    return out
+
+
+@njit(**JIT)
+def _block_sums(u, uo, us, s, so, ss, nb, isum):
+    """``isum[b]`` for ``b < nb``: the unsigned-by-signed sums of runs ``u[uo + b*us:]`` and
+    ``s[so + b*ss:]``, 16 at a time, then 8, 4, 2, 1."""
+    b = 0
+    while b + 16 <= nb:
+        dots(u, uo + b * us, us, s, so + b * ss, ss, isum[b:], 16)
+        b += 16
+    if b + 8 <= nb:
+        dots(u, uo + b * us, us, s, so + b * ss, ss, isum[b:], 8)
+        b += 8
+    if b + 4 <= nb:
+        dots(u, uo + b * us, us, s, so + b * ss, ss, isum[b:], 4)
+        b += 4
+    if b + 2 <= nb:
+        dots(u, uo + b * us, us, s, so + b * ss, ss, isum[b:], 2)
+        b += 2
+    if b < nb:
+        dots(u, uo + b * us, us, s, so + b * ss, ss, isum[b:], 1)
+
+
+@njit(**JIT)
+def _legacy_rows(raw, fmt, ts, r0, r1, qx, xu, xsum, dx, sx, out):
+    """Few tokens: per group of 4 rows (consecutive blocks in the file), decode the blocks,
+    their integer sums with each token's blocks, the float32 terms (elementwise,
+    vectorized), then each row's sum of its terms in block order (4 rows interleaved, so
+    that the dependent additions of one row overlap another's)."""
+    tokens, nb = dx.shape
+    k = nb * 32
+    centre = _centre(fmt)
+    q = np.empty(4 * k, np.uint8)
+    ones = np.ones(32, np.uint8)
+    dw = np.empty(4 * nb, np.float32)
+    mw = np.zeros(4 * nb, np.float32)
+    wsum = np.empty(4 * nb, np.int32)
+    isum = np.empty(4 * nb, np.int32)
+    term = np.zeros(4 * nb, np.float32)
+    for r in range(r0, r1, 4):
+        g = min(4, r1 - r)  # rows in this group
+        base = r * nb * ts
+        n = g * nb  # blocks in this group
+        for b in range(n):
+            dw[b] = half_to_float(raw, base + b * ts)
+        if fmt == Q4_1 or fmt == Q5_1:
+            for b in range(n):
+                mw[b] = half_to_float(raw, base + b * ts + 2)
+        if fmt == Q8_0:
+            _block_sums(ones, 0, 0, raw, base + 2, ts, n, wsum)
+        else:
+            for b in range(n):
+                _decode_stored(raw, base + b * ts, q, b * 32, fmt)
+        for t in range(tokens):
+            for i in range(g):
+                if fmt == Q8_0:
+                    _block_sums(xu, t * k, 32, raw, base + i * nb * ts + 2, ts, nb, isum[i * nb :])
+                else:
+                    _block_sums(q, i * k, 32, qx, t * k, 32, nb, isum[i * nb :])
+            yd = dx[t]
+            ys = sx[t]
+            for i in range(g):
+                for b in range(nb):
+                    j = i * nb + b
+                    if fmt == Q8_0:
+                        isum[j] -= 128 * wsum[j]
+                    elif centre:
+                        isum[j] -= centre * xsum[b, t]
+                    if fmt == Q4_0:
+                        term[j] = (np.float32(isum[j]) * dw[j]) * yd[b]
+                    elif fmt == Q4_1 or fmt == Q5_1:
+                        term[j] = (dw[j] * yd[b]) * np.float32(isum[j]) + mw[j] * ys[b]
+                    else:
+                        term[j] = (dw[j] * yd[b]) * np.float32(isum[j])
+            a0 = a1 = a2 = a3 = F32(0)
+            for b in range(nb):
+                a0 += term[b]
+                a1 += term[nb + b]
+                a2 += term[2 * nb + b]
+                a3 += term[3 * nb + b]
+            out[t, r] = a0
+            if g > 1:
+                out[t, r + 1] = a1
+            if g > 2:
+                out[t, r + 2] = a2
+            if g > 3:
+                out[t, r + 3] = a3
+
+
+@njit(**JIT)
+def _legacy_tiles(raw, fmt, ts, r0, r1, xv, tpad, xsum, dxt, sxt, out):
+    """Many tokens: per group of 4 rows and per block (decoded once), the integer sums of 16
+    tokens at a time (``token_dots``; the 4 rows in turn, while the tokens' 512 bytes are
+    in L1), then the terms added to each row's running sums (elementwise, vectorized).
+    Rows are staged 16 at a time and stored token by token (a cache line each)."""
+    nb, tokens = dxt.shape
+    centre = _centre(fmt)
+    q = np.empty(4 * 32, np.uint8)
+    ones = np.ones(32, np.uint8)
+    isum = np.empty((4, tpad), np.int32)
+    d = np.empty(4, np.float32)
+    m = np.zeros(4, np.float32)
+    wsum = np.zeros(4, np.int32)
+    gs = tpad * 4
+    stage = np.empty((16, tokens), np.float32)
+    for r in range(r0, r1, 4):
+        g = min(4, r1 - r)
+        at = (r - r0) % 16
+        acc = stage[at : at + g]
+        acc[:] = 0
+        for b in range(nb):
+            for i in range(g):
+                off = ((r + i) * nb + b) * ts
+                d[i] = half_to_float(raw, off)
+                if fmt == Q4_1 or fmt == Q5_1:
+                    m[i] = half_to_float(raw, off + 2)
+                if fmt == Q8_0:
+                    dots(ones, 0, 0, raw, off + 2, 0, wsum[i:], 1)
+                else:
+                    _decode_stored(raw, off, q, 32 * i, fmt)
+            for t0 in range(0, tpad, 16):
+                xo = b * 8 * gs + 4 * t0
+                for i in range(g):
+                    if fmt == Q8_0:
+                        off = ((r + i) * nb + b) * ts
+                        token_dots(raw, off + 2, xv, xo, gs, isum[i, t0:], 1)
+                    else:
+                        token_dots(q, 32 * i, xv, xo, gs, isum[i, t0:], 0)
+            yd = dxt[b]
+            ys = sxt[b]
+            xs = xsum[b]
+            for i in range(g):
+                di, mi, si, ai = d[i], m[i], isum[i], acc[i]
+                w128 = 128 * wsum[i]
+                # the signed integer sums (see _matmul_legacy), then ggml's float terms
+                if fmt == Q8_0:
+                    for t in range(tokens):
+                        ai[t] += (di * yd[t]) * np.float32(si[t] - w128)
+                elif fmt == Q4_0:
+                    for t in range(tokens):
+                        ai[t] += (np.float32(si[t] - centre * xs[t]) * di) * yd[t]
+                elif fmt == Q5_0:
+                    for t in range(tokens):
+                        ai[t] += (di * yd[t]) * np.float32(si[t] - centre * xs[t])
+                else:
+                    for t in range(tokens):
+                        ai[t] += (di * yd[t]) * np.float32(si[t]) + mi * ys[t]
+        if at + g == 16 or r + g == r1:
+            _unstage(stage, at + g, out, r + g - (at + g))
+
+
+@njit(**INLINE)
+def _unstage(stage, n, out, r):
+    """``out[:, r:r+n] = stage[:n].T``: each token's ``n`` values are one run of a line."""
+    for t in range(out.shape[0]):
+        for i in range(n):
+            out[t, r + i] = stage[i, t]
+
+
+@njit(**INLINE)
+def _parts(rows: int, threads: int) -> int:
+    """How many pieces a many-token matmul's rows are cut into: one per thread."""
+    return max(1, min(threads, rows // 4))
+
+
+@njit(**INLINE)
+def _part(rows: int, parts: int, c: int) -> tuple[int, int]:
+    """Rows of piece ``c``: boundaries on multiples of 4 (the row groups of the kernels)."""
+    r0 = c * rows // parts // 4 * 4
+    r1 = rows if c == parts - 1 else (c + 1) * rows // parts // 4 * 4
+    return r0, r1
+
+
+# --- K-quants: Q2_K, Q3_K, Q4_K, Q5_K, Q6_K ----------------------------------------------------
+
+
+@njit(**INLINE)
+def _matmul_kquant(raw, fmt, rows, x, simd, threads):
+    """As :func:`matmul_legacy` for the 256-element super-blocks of the K-quants, against
+    Q8_K activations: per block, 8 lane sums (element e in lane e % 8) scaled by
+    ``d*y.d`` into 8 float accumulators, minus ``(dmin*y.d) * sum(mins * bsums)``; the lanes
+    added at the end (Q2_K: one sum, ``(d*y.d)*isum - (dmin*y.d)*msum`` per block)."""
+    tokens, k = x.shape
+    nb = k // 256
+    ts = _type_size(fmt)
+    xq = np.empty(tokens * k, np.int8)
+    dx = np.empty((tokens, nb), np.float32)
+    bsums = np.empty((tokens, k // 16), np.int32)
+    flat = x.reshape(-1)
+    for t in prange(tokens):
+        q8k_row(flat, t, k, xq, dx, bsums)
+    out = np.empty((tokens, rows), np.float32)
+    chunks = max(1, min(rows, threads))
+    if tokens < TOKEN_TILE:
+        for c in prange(chunks):
+            r0, r1 = c * rows // chunks, (c + 1) * rows // chunks
+            _kquant_rows(raw, fmt, ts, r0, r1, xq, dx, bsums, out)
+        return out
+    # token tiles: the activations of each 256-block regrouped by lane (element 8i + l in
+    # lane l), a lane's 32 values in 16 pairs, each pair of 16 tokens side by side
+    # (``token_wdots``); the last tile padded with zeros
+    tpad = (tokens + 15) // 16 * 16
+    xw = np.zeros(k * tpad, np.int16)
+    for t in prange(tokens):
+        for b in range(nb):
+            for lane in range(8):
+                for i in range(32):
+                    g = (b * 8 + lane) * 16 + i // 2
+                    xw[(g * tpad + t) * 2 + i % 2] = xq[t * k + b * 256 + 8 * i + lane]
+    dxt = np.ascontiguousarray(dx.T)
+    bst = np.ascontiguousarray(bsums.T)
+    parts = _parts(rows, threads)
+    for c in prange(parts):
+        r0, r1 = _part(rows, parts, c)
+        _kquant_tiles(raw, fmt, ts, r0, r1, xw, tpad, dxt, bst, out)
+    return out
+
+
+@njit(**INLINE)
+def _kquant_header(raw, off, fmt, q, sc, mn):
+    """Decode a super-block: signed codes into ``q``, scales and the mins per group of 16
+    into ``sc`` and ``mn``; returns (d, dmin)."""
+    if fmt == Q2_K:
+        decode_scales(raw, off, sc, mn, Q2_K)
+        decode_block(raw, off, q, 0, Q2_K, 0)
+        return half_to_float(raw, off + 80), half_to_float(raw, off + 82)
+    if fmt == Q3_K:
+        decode_scales(raw, off, sc, mn, Q3_K)
+        decode_block(raw, off, q, 0, Q3_K, 0)
+        return half_to_float(raw, off + 108), F32(0)
+    if fmt == Q4_K:
+        decode_scales(raw, off, sc, mn, Q4_K)
+        decode_block(raw, off, q, 0, Q4_K, 0)
+        return half_to_float(raw, off), half_to_float(raw, off + 2)
+    if fmt == Q5_K:
+        decode_scales(raw, off, sc, mn, Q5_K)
+        decode_block(raw, off, q, 0, Q5_K, 0)
+        return half_to_float(raw, off), half_to_float(raw, off + 2)
+    decode_scales(raw, off, sc, mn, Q6_K)
+    decode_block(raw, off, q, 0, Q6_K, 0)
+    return half_to_float(raw, off + 208), F32(0)
+
+
+@njit(**INLINE)
+def _sub_size(fmt: int) -> int:
+    """Elements per sub-block (per integer scale)."""
+    return 32 if fmt == Q4_K or fmt == Q5_K else 16
+
+
+@njit(**JIT)
+def _kquant_rows(raw, fmt, ts, r0, r1, xq, dx, bsums, out):
+    """Few tokens: per row and token, each block's lanes (``lanes8``) and its terms."""
+    tokens, nb = dx.shape
+    k = nb * 256
+    q = np.empty(256, np.int8)
+    sc = np.zeros(16, np.int32)
+    mn = np.zeros(16, np.int32)
+    aux = np.empty(8, np.int32)
+    sums = np.empty((tokens, 8), np.float32)
+    acc = np.empty(tokens, np.float32)
+    for r in range(r0, r1):
+        sums[:] = 0
+        acc[:] = 0
+        for b in range(nb):
+            d, dmin = _kquant_header(raw, (r * nb + b) * ts, fmt, q, sc, mn)
+            for t in range(tokens):
+                if _sub_size(fmt) == 32:
+                    lanes8(q, xq, t * k + b * 256, sc, aux, 32)
+                else:
+                    lanes8(q, xq, t * k + b * 256, sc, aux, 16)
+                yd = dx[t, b]
+                msum = 0
+                for j in range(16):
+                    msum += bsums[t, b * 16 + j] * mn[j]
+                if fmt == Q2_K:
+                    isum = 0
+                    for i in range(8):
+                        isum += aux[i]
+                    acc[t] += (d * yd) * np.float32(isum) - (dmin * yd) * np.float32(msum)
+                    continue
+                dd = d * yd
+                for i in range(8):
+                    sums[t, i] += dd * np.float32(aux[i])
+                if fmt == Q4_K or fmt == Q5_K:
+                    acc[t] -= (dmin * yd) * np.float32(msum)
+        for t in range(tokens):
+            total = acc[t]
+            if fmt != Q2_K:
+                for i in range(8):
+                    total += sums[t, i]
+            out[t, r] = total
+
+
+@njit(**JIT)
+def _kquant_tiles(raw, fmt, ts, r0, r1, xw, tpad, dxt, bst, out):
+    """Many tokens: per super-block (decoded once, scales folded into int16 weights
+    regrouped by lane), each lane's sums for 16 tokens at a time (``token_wdots``), and the
+    float terms over the tokens (elementwise, vectorized); rows staged as in
+    :func:`_legacy_tiles`."""
+    nb, tokens = dxt.shape
+    gs = tpad * 2  # int16 elements between a lane's pairs
+    sub = _sub_size(fmt)
+    q = np.empty(256, np.int8)
+    w = np.empty(256, np.int16)
+    sc = np.zeros(16, np.int32)
+    mn = np.zeros(16, np.int32)
+    isum = np.empty(tpad, np.int32)
+    total = np.empty(tokens, np.int32)
+    msum = np.empty(tokens, np.int32)
+    sums = np.empty((8, tokens), np.float32)
+    stage = np.empty((16, tokens), np.float32)
+    for r in range(r0, r1):
+        at = (r - r0) % 16
+        acc = stage[at]
+        sums[:] = 0
+        acc[:] = 0
+        for b in range(nb):
+            d, dmin = _kquant_header(raw, (r * nb + b) * ts, fmt, q, sc, mn)
+            for lane in range(8):
+                for i in range(32):
+                    e = 8 * i + lane
+                    w[32 * lane + i] = sc[e // sub] * q[e]
+            yd = dxt[b]
+            total[:] = 0
+            for lane in range(8):
+                xo = (b * 8 + lane) * 16 * gs
+                for t0 in range(0, tpad, 16):
+                    token_wdots(w, 32 * lane, xw, xo + 2 * t0, gs, isum[t0:])
+                if fmt == Q2_K:
+                    for t in range(tokens):
+                        total[t] += isum[t]
+                else:
+                    s = sums[lane]
+                    for t in range(tokens):
+                        s[t] += (d * yd[t]) * np.float32(isum[t])
+            if fmt == Q2_K or fmt == Q4_K or fmt == Q5_K:
+                msum[:] = 0
+                for j in range(16):
+                    m = mn[j]
+                    bs = bst[b * 16 + j]
+                    for t in range(tokens):
+                        msum[t] += m * bs[t]
+                if fmt == Q2_K:
+                    for t in range(tokens):
+                        isum_f, msum_f = np.float32(total[t]), np.float32(msum[t])
+                        acc[t] += (d * yd[t]) * isum_f - (dmin * yd[t]) * msum_f
+                else:
+                    for t in range(tokens):
+                        acc[t] -= (dmin * yd[t]) * np.float32(msum[t])
+        if fmt != Q2_K:
+            for lane in range(8):
+                s = sums[lane]
+                for t in range(tokens):
+                    acc[t] += s[t]
+        if at == 15 or r + 1 == r1:
+            _unstage(stage, at + 1, out, r - at)
+
+
+def _named(kernel: Any, family: str, fmt: int, parallel: bool) -> Any:
+    """Compile ``kernel`` under a name of its own: numba's disk cache is keyed by the
+    function's name and signature (not by ``parallel``), and by its closure's values (an
+    int here: a dispatcher there would make it uncacheable)."""
+    name = f"{family}_{GGMLType(fmt).name}{'' if parallel else '_serial'}"
+    kernel.__name__ = kernel.__qualname__ = name
+    return njit(**JIT, parallel=parallel)(kernel)
+
+
+# One kernel per weight format, the format a constant and every branch on it folded away:
+# a branch at run time costs more than it seems (LLVM merges the formats' stores into one
+# place, then decodes every format to select one: 5x slower on K-quant headers).
+def _legacy_kernel(fmt: int, parallel: bool) -> Any:
+    def kernel(raw, rows, x, simd, threads):
+        return _matmul_legacy(raw, fmt, rows, x, simd, threads)
+
+    return _named(kernel, "matmul", fmt, parallel)
+
+
+def _kquant_kernel(fmt: int, parallel: bool) -> Any:
+    def kernel(raw, rows, x, simd, threads):
+        return _matmul_kquant(raw, fmt, rows, x, simd, threads)
+
+    return _named(kernel, "matmul", fmt, parallel)
+
+
+# Each format parallel over weight rows (numba's threads) and serial: a parallel region has
+# every thread meet at its end, which costs more than a small matmul on one thread, and
+# much more when the machine is busy and a thread is waiting for a core.
+KERNELS = {fmt: (_legacy_kernel(fmt, True), _legacy_kernel(fmt, False)) for fmt in LEGACY}
+KERNELS.update({fmt: (_kquant_kernel(fmt, True), _kquant_kernel(fmt, False)) for fmt in KQUANTS})
+
+
+def kernel(fmt: int, *, serial: bool) -> Any:
+    """The compiled matmul for weights of format ``fmt`` (a GGML type id):
+    ``kernel(raw, rows, x, simd, threads) -> (T, rows) float32``."""
+    return KERNELS[fmt][1 if serial else 0]

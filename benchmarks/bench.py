@@ -1,0 +1,319 @@
+"""Speed and memory of qllama's backends against transformers and llama.cpp: docs/bench.md.
+
+    python benchmarks/bench.py [--out docs/bench.md] [--threads 2] [--quick] [--only TEXT]
+
+(``nox -s bench`` runs it with every peer installed.) On the SmolLM2 F32, Q8_0 and Q4_K_M
+files, with the same token ids everywhere (the study's chat prompt and 300 greedy tokens),
+each configuration runs in a process of its own, pinned to ``--threads`` CPUs with every
+thread pool sized to match, and reports load time, prefill and all-position teacher-forcing
+throughput, step-by-step decoding throughput and its peak RSS. Medians of ``--repeats``
+runs, after a warm-up run. Wall-clock numbers depend on what else the machine runs: the
+report records the load average before and after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+MODEL = "smollm2-135m-instruct"
+MESSAGES = [{"role": "user", "content": "Explain how a CPU cache works."}]
+NEW_TOKENS = 300
+FILES = ("F32", "Q8_0", "Q4_K_M")
+
+
+@dataclass(frozen=True)
+class Config:
+    """One row of the table: who runs, in which mode, on which file."""
+
+    label: str  # the setting, as the table names it
+    file: str  # F32 | Q8_0 | Q4_K_M
+    job: dict[str, Any]
+    slow: bool = False  # a reference path: fewer repeats and decode steps
+
+    @property
+    def name(self) -> str:
+        return f"{self.label} / {self.file}"
+
+
+# label, backend, options, files (None: all), slow, environment
+QLLAMA: list[tuple[str, str, dict[str, Any], tuple[str, ...] | None, bool, dict[str, str]]] = [
+    ("numpy cpu (numba kernels)", "numpy", {"kernels": "numba"}, None, False, {}),
+    # numba's 2 threads and OpenBLAS's 2 (the attention products) spin-wait for work in
+    # turn on 2 cores; one BLAS thread keeps the process at 2 busy threads
+    (
+        "numpy cpu (numba kernels, 1 BLAS thread)",
+        "numpy",
+        {"kernels": "numba"},
+        ("Q8_0", "Q4_K_M"),
+        False,
+        {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
+    ),
+    ("numpy cpu (numpy oracle)", "numpy", {"kernels": "numpy"}, ("Q8_0",), True, {}),
+    ("numpy dequantize-all", "numpy", {"dequantize_all": True}, None, False, {}),
+    ("numpy f32 activations", "numpy", {"activations": "f32"}, None, False, {}),
+    ("torch (gpu arithmetic, cpu)", "torch", {}, None, False, {}),
+    ("torch dequantize-all", "torch", {"dequantize_all": True}, None, False, {}),
+    ("jax", "jax", {}, None, False, {}),
+]
+CPU_ROWS = ("numpy cpu (numba kernels)", "numpy cpu (numba kernels, 1 BLAS thread)")
+LLAMA_CPP = "llama.cpp"
+TRANSFORMERS = "transformers f32 eager"
+
+
+def configs(paths: dict[str, str], only: str | None) -> list[Config]:
+    rows = []
+    for label, backend, options, files, slow, env in QLLAMA:
+        for ft in files or FILES:
+            job = {"kind": "qllama", "backend": backend, "options": options, "file": paths[ft]}
+            job["profile"] = label in CPU_ROWS and ft != "F32"
+            job["env"] = env
+            rows.append(Config(label, ft, job, slow))
+    rows.append(Config(TRANSFORMERS, "F32", {"kind": "transformers", "file": paths["F32"]}))
+    for ft in FILES:
+        for logits_all in (False, True):
+            job = {"kind": "llama_cpp", "file": paths[ft], "logits_all": logits_all}
+            rows.append(Config(LLAMA_CPP, ft, job))
+    return [c for c in rows if only is None or only.lower() in c.name.lower()]
+
+
+# --- running ----------------------------------------------------------------------------------
+
+
+def thread_env(threads: int) -> dict[str, str]:
+    """Every thread pool a worker may start, sized to ``threads``."""
+    env = dict(os.environ)
+    for var in (
+        "OMP_NUM_THREADS",
+        "OPENBLAS_NUM_THREADS",
+        "MKL_NUM_THREADS",
+        "VECLIB_MAXIMUM_THREADS",
+        "NUMEXPR_NUM_THREADS",
+        "NUMBA_NUM_THREADS",
+    ):
+        env[var] = str(threads)
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    return env
+
+
+@dataclass
+class Outcome:
+    result: dict[str, Any] | None = None
+    error: str | None = None
+    seconds: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def run_worker(job: dict[str, Any], python: str, threads: int, timeout: float) -> Outcome:
+    """Run one job in a fresh process; its last ``RESULT`` line is the outcome."""
+    cmd = [python, str(HERE / "bench.py"), "--worker", json.dumps(job)]
+    t = time.perf_counter()
+    try:
+        run = subprocess.run(
+            cmd,
+            env={**thread_env(threads), **job.get("env", {})},
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            stdin=subprocess.DEVNULL,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        return Outcome(error=f"timed out after {timeout:.0f} s", seconds=timeout)
+    seconds = time.perf_counter() - t
+    lines = [ln for ln in run.stdout.splitlines() if ln.startswith("RESULT ")]
+    if run.returncode != 0 or not lines:
+        tail = [ln for ln in (run.stderr or run.stdout).strip().splitlines() if ln.strip()]
+        reason = tail[-1] if tail else f"exit status {run.returncode}"
+        return Outcome(error=reason[:300], seconds=seconds)
+    return Outcome(result=json.loads(lines[-1][len("RESULT ") :]), seconds=seconds)
+
+
+def probe(python: str, module: str) -> str | None:
+    """The version of ``module`` under ``python``, or None if it cannot be imported."""
+    code = f"import {module}; print(getattr({module}, '__version__', '?'))"
+    try:
+        run = subprocess.run(
+            [python, "-c", code], capture_output=True, text=True, timeout=120, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return run.stdout.strip() if run.returncode == 0 else None
+
+
+# --- the environment --------------------------------------------------------------------------
+
+
+def machine() -> dict[str, Any]:
+    info: dict[str, Any] = {"platform": platform.platform(), "cpus": os.cpu_count()}
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        names = [
+            ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")
+        ]
+        info["cpu"] = names[0] if names else platform.processor()
+        flags = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+        info["simd"] = " ".join(
+            f for f in ("avx2", "avx512f", "avx512_vnni", "amx_int8") if f" {f}" in flags
+        )
+        mem = Path("/proc/meminfo").read_text().splitlines()[0].split()[1]
+        info["memory_gb"] = round(int(mem) / 2**20, 1)
+    except (OSError, IndexError, ValueError):
+        info["cpu"] = platform.processor() or platform.machine()
+    return info
+
+
+def versions(python: str) -> dict[str, str]:
+    import numpy
+
+    import qllama
+
+    out = {"python": platform.python_version(), "numpy": numpy.__version__}
+    out["qllama"] = getattr(qllama, "__version__", "?")
+    for module in ("numba", "torch", "transformers", "jax"):
+        out[module] = probe(python, module) or "not installed"
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=HERE,
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=HERE,
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout.strip()
+        if commit:
+            out["qllama"] += f" ({commit}{' + local changes' if dirty else ''})"
+    except OSError:
+        pass
+    return out
+
+
+# --- main -------------------------------------------------------------------------------------
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=str(HERE.parent / "docs" / "bench.md"))
+    p.add_argument("--json", help="also write the raw results here")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--decode-steps", type=int, default=32)
+    p.add_argument("--quick", action="store_true", help="1 repeat, 16 decode steps")
+    p.add_argument("--only", help="run the configurations whose name contains this")
+    p.add_argument("--timeout", type=float, default=900, help="seconds per configuration")
+    p.add_argument("--llama-python", default=sys.executable, help="python with llama-cpp-python")
+    p.add_argument("--llama-note", help="why llama.cpp is missing (the nox session sets it)")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    if args.worker:
+        import workers
+
+        workers.main(args.worker)
+        return 0
+    from report import write_report
+
+    from qllama.model_files import variant
+
+    if args.quick:
+        args.repeats, args.decode_steps = 1, 16
+    started = datetime.datetime.now(datetime.timezone.utc)
+    load_before = os.getloadavg() if hasattr(os, "getloadavg") else None
+    paths = {ft: str(variant(MODEL, ft)) for ft in FILES}
+    sizes = {ft: os.path.getsize(p) / 1e6 for ft, p in paths.items()}
+
+    print("token ids: prompt + greedy continuation ...", flush=True)
+    ids_job = {"kind": "ids", "file": paths["F32"], "messages": MESSAGES, "new_tokens": NEW_TOKENS}
+    got = run_worker({**ids_job, "threads": args.threads}, sys.executable, args.threads, 1800)
+    if got.result is None:
+        print(f"cannot make the token ids: {got.error}", file=sys.stderr)
+        return 1
+    ids, prompt_len = got.result["ids"], got.result["prompt_len"]
+
+    if probe(sys.executable, "numba"):
+        print("numba kernels: compiling or loading from the cache ...", flush=True)
+        for ft in FILES:
+            warm = run_worker(
+                {"kind": "warm", "file": paths[ft], "threads": args.threads},
+                sys.executable,
+                args.threads,
+                1800,
+            )
+            if warm.error:
+                print(f"  {ft}: {warm.error}", file=sys.stderr)
+
+    llama_version = probe(args.llama_python, "llama_cpp")
+    llama_note = args.llama_note or (
+        None if llama_version else f"llama-cpp-python is not importable by {args.llama_python}"
+    )
+    outcomes: dict[str, tuple[Config, Outcome]] = {}
+    for c in configs(paths, args.only):
+        if c.job["kind"] == "llama_cpp" and llama_note:
+            continue
+        job = {
+            **c.job,
+            "ids": ids,
+            "prompt_len": prompt_len,
+            "threads": args.threads,
+            "repeats": 1 if c.slow else args.repeats,
+            "decode_steps": 4 if c.slow else args.decode_steps,
+            "warmup_steps": 1 if c.slow else 4,
+        }
+        python = args.llama_python if c.job["kind"] == "llama_cpp" else sys.executable
+        key = c.name + (" (logits_all)" if c.job.get("logits_all") else "")
+        print(f"{key} ...", end=" ", flush=True)
+        out = run_worker(job, python, args.threads, args.timeout)
+        print(f"{out.seconds:.0f} s" + (f"  FAILED: {out.error}" if out.error else ""), flush=True)
+        outcomes[key] = (c, out)
+
+    info = {
+        "date": started.strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": machine(),
+        "load_before": load_before,
+        "load_after": os.getloadavg() if hasattr(os, "getloadavg") else None,
+        "versions": {**versions(sys.executable), "llama-cpp-python": llama_version or "-"},
+        "threads": args.threads,
+        "repeats": args.repeats,
+        "decode_steps": args.decode_steps,
+        "tokens": len(ids),
+        "prompt_len": prompt_len,
+        "first_stop": got.result.get("first_stop"),
+        "file_mb": sizes,
+        "llama_note": llama_note,
+    }
+    write_report(Path(args.out), info, outcomes)
+    if args.json:
+        from qllama.atomic import atomic_write
+
+        raw = {k: {"result": o.result, "error": o.error} for k, (_, o) in outcomes.items()}
+        with atomic_write(args.json, "w") as f:
+            json.dump({"info": info, "results": raw}, f, indent=1)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,317 @@
+"""Measurements, one configuration per process: ``python benchmarks/bench.py --worker JOB``.
+
+Each worker loads one model (qllama on one backend and mode, transformers, or llama.cpp
+through llama-cpp-python), times load, prefill, all-position teacher forcing and step-by-step
+decoding on the same token ids, reads its peak RSS, and prints one JSON line. It imports
+only what its kind needs: the llama.cpp worker runs in any environment that has
+llama-cpp-python and numpy, without qllama.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+def memory_mb() -> dict[str, float]:
+    """Resident set size now and its peak (VmHWM), in MB (Linux; else getrusage's peak)."""
+    try:
+        with open("/proc/self/status") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        return {
+            "rss_mb": int(fields["VmRSS"].split()[0]) / 1024,
+            "peak_rss_mb": int(fields["VmHWM"].split()[0]) / 1024,
+        }
+    except (OSError, KeyError, ValueError):
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        peak_mb = peak / 2**20 if sys.platform == "darwin" else peak / 1024
+        return {"rss_mb": peak_mb, "peak_rss_mb": peak_mb}
+
+
+def pin_cpus(threads: int) -> list[int]:
+    """Run on ``threads`` CPUs only (where the OS allows it), so that pools sized from the
+    CPU count (XLA's, llama.cpp's repack workers) see the same number as the rest."""
+    if not hasattr(os, "sched_setaffinity"):
+        return []
+    cpus = sorted(os.sched_getaffinity(0))[:threads]
+    os.sched_setaffinity(0, cpus)
+    return cpus
+
+
+def timed(fn: Callable[[], Any], repeats: int) -> list[float]:
+    """Wall seconds of ``repeats`` calls."""
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def decode_rate(
+    start: Callable[[], None], step: Callable[[int, int], None], ids: list[int], job: dict
+) -> tuple[float, list[float]]:
+    """Tokens/s of step-by-step decoding after a prefill of the prompt: the median over
+    ``repeats`` runs of ``decode_steps`` steps (the first ``warmup_steps`` are not timed)."""
+    n_prompt, steps, warm = job["prompt_len"], job["decode_steps"], job["warmup_steps"]
+    rates = []
+    for _ in range(job["repeats"]):
+        start()
+        for i in range(warm):
+            step(ids[n_prompt + i], n_prompt + i)
+        t = time.perf_counter()
+        for i in range(warm, warm + steps):
+            step(ids[n_prompt + i], n_prompt + i)
+        rates.append(steps / (time.perf_counter() - t))
+    return statistics.median(rates), rates
+
+
+# --- qllama ---------------------------------------------------------------------------------
+
+
+def run_qllama(job: dict) -> dict:
+    """One qllama backend and mode on one file, on ``job["device"]`` (or the default)."""
+    if job["backend"] == "torch":
+        import torch
+
+        torch.set_num_threads(job["threads"])
+    before_import = memory_mb()["rss_mb"]
+    import qllama
+    from qllama.array_api import to_numpy  # waits for the device, copies to the host
+
+    options = dict(job["options"])
+    if job["backend"] == "numpy" and options.get("kernels", "numba") == "numba":
+        import numba
+
+        from qllama.backends import cpu_kernels  # noqa: F401  (its import cost is measured)
+
+        numba.set_num_threads(job["threads"])
+        options.setdefault("threads", job["threads"])
+    after_import = memory_mb()["rss_mb"]
+    ids, n = job["ids"], len(job["ids"])
+    t = time.perf_counter()
+    model = qllama.load(job["file"], backend=job["backend"], device=job.get("device"), **options)
+    load_s = time.perf_counter() - t
+
+    def tf() -> Any:
+        return to_numpy(model.forward(ids, 0, all_logits=True))
+
+    def prefill() -> Any:
+        return to_numpy(model.forward(ids, 0))
+
+    def start() -> None:
+        to_numpy(model.forward(ids[: job["prompt_len"]], 0))
+
+    def step(token: int, pos: int) -> None:
+        to_numpy(model.forward([token], pos))
+
+    # generation first: its peak memory, before the all-position logits of teacher forcing
+    decode, rates = decode_rate(start, step, ids, job)
+    generate_peak = memory_mb()["peak_rss_mb"]
+    first = timed(tf, 1)[0]  # compiles (jax), loads cached kernels (numba), touches pages
+    tf_times = timed(tf, job["repeats"])
+    prefill_times = timed(prefill, job["repeats"])
+    result = {
+        "load_s": load_s,
+        "first_call_s": first,
+        "tf_tok_s": n / statistics.median(tf_times),
+        "prefill_tok_s": n / statistics.median(prefill_times),
+        "decode_tok_s": decode,
+        "decode_runs": rates,
+        "import_rss_mb": after_import - before_import,
+        "generate_peak_rss_mb": generate_peak,
+        **memory_mb(),
+    }
+    if job.get("profile"):
+        result["profile"] = profile_qllama(model, ids, job)
+    return result
+
+
+def profile_qllama(model: Any, ids: list[int], job: dict) -> dict:
+    """Where a decode step and a teacher-forcing pass spend their time: inside the backend's
+    matmuls (the quantized products) or in the rest of the forward (array-API code)."""
+    from qllama.array_api import to_numpy
+
+    backend = model.backend
+    spent = [0.0]
+    plain = backend.matmul
+
+    def matmul(x: Any, w: Any) -> Any:
+        t = time.perf_counter()
+        y = plain(x, w)
+        spent[0] += time.perf_counter() - t
+        return y
+
+    backend.matmul = matmul
+    try:
+        n_prompt, steps = job["prompt_len"], job["decode_steps"]
+        to_numpy(model.forward(ids[:n_prompt], 0))
+        spent[0] = 0.0
+        t = time.perf_counter()
+        for i in range(steps):
+            to_numpy(model.forward([ids[n_prompt + i]], n_prompt + i))
+        total = time.perf_counter() - t
+        decode = {"ms_per_token": 1e3 * total / steps, "matmul_ms": 1e3 * spent[0] / steps}
+        spent[0] = 0.0
+        t = time.perf_counter()
+        to_numpy(model.forward(ids, 0, all_logits=True))
+        total = time.perf_counter() - t
+        tf = {"s": total, "matmul_s": spent[0]}
+    finally:
+        del backend.matmul
+    return {"decode": decode, "tf": tf}
+
+
+def run_ids(job: dict) -> dict:
+    """The benchmark's token ids: the chat prompt, then ``new_tokens`` greedy tokens of qllama
+    (dequantize-all, the F32 file), end-of-turn ignored so that the length is fixed."""
+    import numpy as np
+
+    import qllama
+    from qllama.array_api import to_numpy
+
+    model = qllama.load(job["file"], dequantize_all=True)
+    prompt = model.apply_chat_template(job["messages"])
+    ids = list(prompt)
+    logits = to_numpy(model.forward(ids, 0))
+    for _ in range(job["new_tokens"]):
+        ids.append(int(np.argmax(logits)))
+        logits = to_numpy(model.forward([ids[-1]], len(ids) - 1))
+    stops = set(model.tokenizer.stop_ids)
+    first_stop = next((i for i, t in enumerate(ids[len(prompt) :]) if t in stops), None)
+    return {"ids": ids, "prompt_len": len(prompt), "first_stop": first_stop}
+
+
+def run_warm(job: dict) -> dict:
+    """Compile (or find in numba's disk cache) every kernel a file's matmuls use, so that no
+    measured process compiles: compiling takes seconds and hundreds of MB of memory."""
+    import qllama
+    from qllama.array_api import to_numpy
+
+    t = time.perf_counter()
+    model = qllama.load(job["file"], kernels="numba", threads=job["threads"])
+    ids = list(range(1, 21))
+    to_numpy(model.forward(ids, 0, all_logits=True))  # many tokens
+    to_numpy(model.forward([7], len(ids)))  # one token
+    return {"seconds": time.perf_counter() - t}
+
+
+# --- peers ------------------------------------------------------------------------------------
+
+
+def run_transformers(job: dict) -> dict:
+    """transformers, f32, eager attention, on the F32 file (gguf_file=)."""
+    import torch
+
+    torch.set_num_threads(job["threads"])
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    path = job["file"]
+    t = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path),
+        gguf_file=os.path.basename(path),
+        dtype=torch.float32,
+        attn_implementation="eager",
+    )
+    model.eval()
+    load_s = time.perf_counter() - t
+    ids = job["ids"]
+    x = torch.tensor([ids])
+    cache: list[Any] = [None]
+
+    with torch.inference_mode():
+
+        def start() -> None:
+            cache[0] = DynamicCache(config=model.config)
+            model(x[:, : job["prompt_len"]], past_key_values=cache[0], use_cache=True)
+
+        def step(token: int, pos: int) -> None:
+            model(torch.tensor([[token]]), past_key_values=cache[0], use_cache=True)
+
+        decode, rates = decode_rate(start, step, ids, job)
+        generate_peak = memory_mb()["peak_rss_mb"]
+        first = timed(lambda: model(x).logits, 1)[0]
+        tf_times = timed(lambda: model(x).logits, job["repeats"])
+        prefill_times = timed(lambda: model(x, logits_to_keep=1).logits, job["repeats"])
+    import transformers
+
+    return {
+        "load_s": load_s,
+        "first_call_s": first,
+        "tf_tok_s": len(ids) / statistics.median(tf_times),
+        "prefill_tok_s": len(ids) / statistics.median(prefill_times),
+        "decode_tok_s": decode,
+        "decode_runs": rates,
+        "generate_peak_rss_mb": generate_peak,
+        "versions": {"transformers": transformers.__version__, "torch": torch.__version__},
+        **memory_mb(),
+    }
+
+
+def run_llama_cpp(job: dict) -> dict:
+    """llama.cpp through llama-cpp-python: prompt processing (last logits, or every
+    position's with ``logits_all``) and step-by-step decoding."""
+    import llama_cpp
+
+    ids = job["ids"]
+    t = time.perf_counter()
+    llm = llama_cpp.Llama(
+        model_path=job["file"],
+        n_ctx=512,
+        n_batch=512,
+        n_ubatch=512,
+        n_threads=job["threads"],
+        n_threads_batch=job["threads"],
+        logits_all=job["logits_all"],
+        verbose=False,
+    )
+    load_s = time.perf_counter() - t
+
+    def pp() -> None:
+        llm.reset()
+        llm.eval(ids)
+
+    first = timed(pp, 1)[0]
+    pp_times = timed(pp, job["repeats"])
+    result = {
+        "load_s": load_s,
+        "first_call_s": first,
+        "pp_tok_s": len(ids) / statistics.median(pp_times),
+        "versions": {"llama-cpp-python": llama_cpp.__version__},
+    }
+    if not job["logits_all"]:
+
+        def start() -> None:
+            llm.reset()
+            llm.eval(ids[: job["prompt_len"]])
+
+        def step(token: int, pos: int) -> None:
+            llm.eval([token])
+
+        result["decode_tok_s"], result["decode_runs"] = decode_rate(start, step, ids, job)
+    result.update(memory_mb())
+    return result
+
+
+KINDS: dict[str, Callable[[dict], dict]] = {
+    "qllama": run_qllama,
+    "ids": run_ids,
+    "warm": run_warm,
+    "transformers": run_transformers,
+    "llama_cpp": run_llama_cpp,
+}
+
+
+def main(job_json: str) -> None:
+    job = json.loads(job_json)
+    job["cpus"] = pin_cpus(job.get("threads", 2))
+    result = KINDS[job["kind"]](job)
+    print("RESULT " + json.dumps(result), flush=True)

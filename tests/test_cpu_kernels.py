@@ -1,0 +1,277 @@
+"""The compiled CPU kernels (numba) against the numpy oracle: the same float32 bits.
+
+Every integer weight type, both activation roundings, one token and many (the two loops of
+the kernels), odd shapes, the parallel and the serial kernels, and activations with ties,
+zeros, subnormals, overflow, infinities and NaNs. Skipped where numba is not installed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+
+pytest.importorskip("numba")
+
+from qllama import quants
+from qllama.backends import numpy_cpu
+from qllama.backends.base import QuantTensor
+from qllama.backends.numpy_cpu import NumpyBackend
+from qllama.errors import BackendError
+from qllama.ggml_types import GGMLType
+
+# the oracle's float32 arithmetic overflows on the hard activations, as C does, and warns
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+F32 = np.float32
+LEGACY = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
+KQUANTS = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+
+# sha256[:16] of ggml's generic C vec_dot results on the npz (see test_backend_numpy.py)
+GENERIC_C_DIGESTS = {
+    "Q4_0": "813f3010d41fa48c",
+    "Q4_1": "0ea57e5e5ea65b8f",
+    "Q5_0": "848cadb8b15de0f3",
+    "Q5_1": "8386783da22af37a",
+    "Q8_0": "365bb6b35d25087e",
+    "Q2_K": "5c22448847290ffa",
+    "Q3_K": "d9c4b9498b8005d1",
+    "Q4_K": "3ea92310c3ada45c",
+    "Q5_K": "a0e09bed43fc4b87",
+    "Q6_K": "c724fcce6b382063",
+}
+
+
+def bits(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(x, dtype=F32).view(np.uint32)
+
+
+def weight(raw: np.ndarray, qtype: str, shape: tuple[int, int]) -> QuantTensor:
+    data = np.ascontiguousarray(raw).reshape(-1)
+    data.flags.writeable = False  # as the file's views are (one compiled specialization)
+    return QuantTensor("w", GGMLType[qtype], shape, data)
+
+
+def random_weight(qtype: str, rows: int, k: int, seed: int) -> QuantTensor:
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((rows, k)).astype(F32) * rng.uniform(0.01, 2, (rows, 1)).astype(F32)
+    return weight(quants.quantize(w, qtype), qtype, (rows, k))
+
+
+def hard_activations(tokens: int, k: int, seed: int) -> np.ndarray:
+    """Rows that exercise every branch of the quantizers: ties, zeros, tiny and huge."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((tokens, k)).astype(F32) * 3
+    x[0, :32] = 0  # an all-zero block
+    if tokens > 1:
+        x[1, :32] = np.arange(32, dtype=F32) - 15.5  # .5 steps: ties once scaled
+        x[1, 32:64] = -0.0
+    if tokens > 2:
+        x[2, :32] = rng.standard_normal(32).astype(F32) * F32(1e-42)  # subnormal scales
+    if tokens > 2 and k >= 64:
+        with np.errstate(over="ignore"):  # x * (1/d) overflows
+            x[2, 32:64] = rng.standard_normal(32).astype(F32) * F32(3e38)
+    return x
+
+
+def agree(got: np.ndarray, want: np.ndarray) -> None:
+    """Bit for bit; NaNs only by position (their payload is the hardware's)."""
+    nan = np.isnan(want)
+    np.testing.assert_array_equal(np.isnan(got), nan)
+    np.testing.assert_array_equal(bits(np.where(nan, 0, got)), bits(np.where(nan, 0, want)))
+
+
+@pytest.fixture(params=["serial", "parallel"])
+def kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The serial and the parallel (2 threads) kernels, whatever the size of the matmul."""
+    monkeypatch.setattr(numpy_cpu, "SERIAL_MACS", 0 if request.param == "parallel" else 2**62)
+    return request.param
+
+
+def backends(rounding: str, kernels: str) -> tuple[NumpyBackend, NumpyBackend]:
+    threads = 2 if kernels == "parallel" else 1
+    fast = NumpyBackend(activation_rounding=rounding, kernels="numba", threads=threads)
+    return fast, NumpyBackend(activation_rounding=rounding, kernels="numpy")
+
+
+@pytest.mark.parametrize("qtype", LEGACY + KQUANTS)
+@pytest.mark.parametrize("rounding", ["ref", "simd"])
+@pytest.mark.parametrize("tokens", [1, 3, 16, 37])
+def test_kernels_equal_the_oracle(qtype, rounding, tokens, kernels):
+    k = 768 if qtype in KQUANTS else 608  # 19 blocks of 32: every tail of the 16-block sums
+    w = random_weight(qtype, 13, k, seed=tokens)
+    x = hard_activations(tokens, k, seed=tokens)
+    fast, oracle = backends(rounding, kernels)
+    agree(fast.matmul(x, fast.prepare(w)), oracle.matmul(x, oracle.prepare(w)))
+
+
+@pytest.mark.parametrize("qtype", LEGACY + KQUANTS)
+@pytest.mark.parametrize("shape", [(1, 1), (5, 2), (33, 3)])  # rows, blocks
+def test_odd_shapes(qtype, shape, kernels):
+    rows, blocks = shape
+    k = blocks * (256 if qtype in KQUANTS else 32)
+    w = random_weight(qtype, rows, k, seed=rows)
+    fast, oracle = backends("ref", kernels)
+    for tokens in (1, 17):
+        x = hard_activations(tokens, k, seed=blocks)
+        agree(fast.matmul(x, fast.prepare(w)), oracle.matmul(x, oracle.prepare(w)))
+
+
+@pytest.mark.parametrize("qtype", LEGACY + KQUANTS)
+def test_non_finite_activations(qtype, kernels):
+    k = 512
+    w = random_weight(qtype, 9, k, seed=3)
+    x = hard_activations(18, k, seed=4)
+    x[3, 5] = np.inf
+    x[4, 64:96] = -np.inf
+    x[5, 31] = np.nan  # the last of a block: the running max ends on a NaN
+    x[6, 0] = np.nan  # the first: a later element replaces it
+    x[17, 300] = np.nan
+    fast, oracle = backends("ref", kernels)
+    for rounding in ("ref", "simd"):
+        fast.activation_rounding = oracle.activation_rounding = rounding
+        for rows in (slice(0, 1), slice(0, 18)):
+            agree(fast.matmul(x[rows], fast.prepare(w)), oracle.matmul(x[rows], oracle.prepare(w)))
+
+
+@pytest.mark.parametrize("qtype", LEGACY + KQUANTS)
+def test_kernels_are_ggmls_generic_c_bit_for_bit(qtype, ggml_vectors, kernels):
+    raw = ggml_vectors[f"w/{qtype}/bytes"]
+    fast, _ = backends("ref", kernels)
+    got = fast.matmul(ggml_vectors["acts_f32"], fast.prepare(weight(raw, qtype, (11, 512))))
+    assert hashlib.sha256(got.tobytes()).hexdigest()[:16] == GENERIC_C_DIGESTS[qtype]
+
+
+@pytest.mark.parametrize("act", ["Q8_0", "Q8_1", "Q8_K"])
+@pytest.mark.parametrize("rounding", ["ref", "simd"])
+def test_activation_quantizers_equal_numpy(act, rounding):
+    from qllama.backends import cpu_quantize
+
+    x = hard_activations(20, 512, seed=9)
+    x[3, 7], x[4, 31], x[5, 0], x[6, 40] = np.nan, np.nan, np.inf, -np.inf
+    size = quants.get(act).type_size
+    want = quants.get(act).unpack(quants.quantize(x, act, rounding=rounding).reshape(-1, size))
+    if act == "Q8_K":
+        qs, d, bsums = cpu_quantize.quantize_q8_k(x)
+        np.testing.assert_array_equal(bsums.reshape(-1, 16), want["bsums"])
+    else:
+        qs, d, s = cpu_quantize.quantize_q8(x, rounding == "simd", act == "Q8_1")
+        if act == "Q8_1":
+            np.testing.assert_array_equal(bits(s.reshape(-1, 1)), bits(want["s"]))
+    np.testing.assert_array_equal(qs.reshape(want["qs"].shape), want["qs"])
+    np.testing.assert_array_equal(bits(d.reshape(-1, 1)), bits(want["d"]))
+
+
+@pytest.mark.parametrize("act", ["Q8_0", "Q8_1", "Q8_K"])
+def test_activation_quantizers_equal_ggml(act, ggml_vectors):
+    """Against ggml's own bytes: its reference (``ref``) and AVX2 (``cpu``) quantizers."""
+    from qllama.backends import cpu_quantize
+
+    x = ggml_vectors["acts_f32"]
+    size = quants.get(act).type_size
+    for source, simd in (("ref", False), ("cpu", True)):
+        want = quants.get(act).unpack(ggml_vectors[f"act/{act}/{source}"].reshape(-1, size))
+        if act == "Q8_K":
+            qs, d, _ = cpu_quantize.quantize_q8_k(x)
+        else:
+            qs, d, _ = cpu_quantize.quantize_q8(x, simd, act == "Q8_1")
+        np.testing.assert_array_equal(qs.reshape(want["qs"].shape), want["qs"])
+        np.testing.assert_array_equal(bits(d.reshape(-1, 1)), bits(want["d"]))
+
+
+def test_half_rounding_equals_ggmls():
+    """The fp16 store of the activation scales: nearest even, overflow, subnormals, NaN."""
+    from numba import njit
+
+    from qllama.backends.cpu_quantize import _half
+    from qllama.quants.rounding import fp16
+
+    @njit
+    def each(a, out):
+        for i in range(a.size):
+            out[i] = _half(a[i])
+
+    rng = np.random.default_rng(0)
+    x = np.concatenate(
+        [
+            rng.integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32).view(F32),
+            # every fp16 rounding boundary's neighbours (ties included)
+            (np.arange(0, 2**16, dtype=np.uint32) << 13).view(F32) * F32(1),
+            ((np.arange(0, 2**16, dtype=np.uint32) << 13) + 4096).view(F32),
+            ((np.arange(0, 2**16, dtype=np.uint32) << 13) + 4095).view(F32),
+            np.array([65504, 65519.99, 65520, 6e-8, 3e-8, 2.98e-8, -0.0], dtype=F32),
+        ]
+    )
+    got = np.empty_like(x)
+    each(x, got)
+    want = fp16(x)
+    np.testing.assert_array_equal(bits(got), bits(want))
+    # the integer path of hosts without fp16 conversions (F16C), on the same values
+    from qllama.backends.cpu_quantize import _fp16_bits, _widen_fp16
+
+    @njit
+    def each_portable(a, out):
+        for i in range(a.size):
+            out[i] = _widen_fp16(_fp16_bits(a[i]))
+
+    finite = x[~np.isnan(x)]
+    got = np.empty_like(finite)
+    each_portable(finite, got)
+    np.testing.assert_array_equal(bits(got), bits(fp16(finite)))
+
+
+@pytest.mark.parametrize("tokens", [1, 20])
+def test_f32_weights_are_the_oracles_products(tokens, ggml_vectors):
+    rng = np.random.default_rng(1)
+    w = weight(quants.quantize(ggml_vectors["weights_f32"], "F32"), "F32", (11, 512))
+    x = rng.standard_normal((tokens, 512)).astype(F32)
+    fast, oracle = backends("ref", "serial")
+    agree(fast.matmul(x, fast.prepare(w)), oracle.matmul(x, oracle.prepare(w)))
+
+
+def test_options_are_checked():
+    with pytest.raises(BackendError, match="kernels"):
+        NumpyBackend(kernels="fortran")
+    with pytest.raises(BackendError, match="threads"):
+        NumpyBackend(threads=0)
+    assert NumpyBackend().kernels == "numba"  # the default where numba is installed
+
+
+PORTABLE_CHECK = """
+import numpy as np
+from qllama import quants
+from qllama.backends import cpu_simd
+from qllama.backends.base import QuantTensor
+from qllama.backends.numpy_cpu import NumpyBackend
+from qllama.ggml_types import GGMLType
+
+assert not cpu_simd.VNNI
+rng = np.random.default_rng(0)
+for qtype in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"):
+    w = rng.standard_normal((8, 512)).astype(np.float32)
+    raw = quants.quantize(w, qtype).reshape(-1)
+    raw.flags.writeable = False
+    t = QuantTensor("w", GGMLType[qtype], (8, 512), raw)
+    for tokens in (1, 20):
+        x = rng.standard_normal((tokens, 512)).astype(np.float32)
+        fast, oracle = NumpyBackend(kernels="numba", threads=1), NumpyBackend(kernels="numpy")
+        got, want = fast.matmul(x, fast.prepare(t)), oracle.matmul(x, oracle.prepare(t))
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (qtype, tokens)
+print("ok")
+"""
+
+
+@pytest.mark.slow
+def test_portable_code_equals_the_oracle():
+    """The kernels compiled for a generic x86-64 (no AVX512-VNNI: the portable IR), in a
+    process of their own (numba compiles for one target per process)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "NUMBA_CPU_NAME": "generic"}
+    run = subprocess.run(
+        [sys.executable, "-c", PORTABLE_CHECK], env=env, capture_output=True, text=True
+    )
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-2000:]
