@@ -177,6 +177,15 @@ def machine() -> dict[str, Any]:
     return info
 
 
+def _git(*args: str) -> str:
+    """What a git command prints in this checkout ("" where it fails or git is missing)."""
+    try:
+        run = subprocess.run(["git", *args], cwd=HERE, capture_output=True, text=True)
+    except OSError:
+        return ""
+    return run.stdout.strip()
+
+
 def versions(python: str) -> dict[str, str]:
     import numpy
 
@@ -186,25 +195,10 @@ def versions(python: str) -> dict[str, str]:
     out["qllama"] = getattr(qllama, "__version__", "?")
     for module in ("numba", "torch", "transformers", "jax"):
         out[module] = probe(python, module) or "not installed"
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=HERE,
-            capture_output=True,
-            text=True,
-            check=False,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=HERE,
-            capture_output=True,
-            text=True,
-            check=False,
-        ).stdout.strip()
-        if commit:
-            out["qllama"] += f" ({commit}{' + local changes' if dirty else ''})"
-    except OSError:
-        pass
+    commit = _git("rev-parse", "--short", "HEAD")
+    if commit:
+        dirty = _git("status", "--porcelain", "--untracked-files=no")
+        out["qllama"] += f" ({commit}{' + local changes' if dirty else ''})"
     return out
 
 

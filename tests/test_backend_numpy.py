@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from qllama import quants
-from qllama.backends import get_backend
+from qllama.backends import get_backend, numpy_cpu
 from qllama.backends.base import QuantTensor
 from qllama.backends.numpy_cpu import NumpyBackend
 from qllama.errors import BackendError, TensorShapeError, UnsupportedTensorTypeError
@@ -53,12 +53,21 @@ def bits(x: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(x, dtype=F32).view(np.uint32)
 
 
+@pytest.fixture(params=["numpy", "numba"])
+def kernels(request: pytest.FixtureRequest) -> str:
+    """The plain numpy path (the oracle) and the compiled kernels, where numba is installed."""
+    if request.param == "numba" and not numpy_cpu.kernels_available():
+        pytest.skip("numba is not installed")
+    return request.param
+
+
 @pytest.mark.parametrize("qtype", [*WEIGHT_TYPES, "F32"])
 @pytest.mark.parametrize("rounding", ["ref", "simd"])
-def test_q8_matmul_matches_ggmls_cpu_vec_dot(qtype, rounding, ggml_vectors):
+def test_q8_matmul_matches_ggmls_cpu_vec_dot(qtype, rounding, ggml_vectors, kernels):
     acts = ggml_vectors["acts_f32"]
     w = npz_weight(ggml_vectors, qtype)
-    got = NumpyBackend(activation_rounding=rounding).matmul(acts, NumpyBackend().prepare(w))
+    backend = NumpyBackend(activation_rounding=rounding, kernels=kernels)
+    got = backend.matmul(acts, backend.prepare(w))
     assert got.shape == (14, 11) and got.dtype == F32
     if qtype == "F32":  # a plain float32 dot product; ggml's is one as well
         want = acts.astype(np.float64) @ ggml_vectors["weights_f32"].T.astype(np.float64)
@@ -72,9 +81,10 @@ def test_q8_matmul_matches_ggmls_cpu_vec_dot(qtype, rounding, ggml_vectors):
 
 
 @pytest.mark.parametrize("qtype", QUANT_TYPES)
-def test_q8_matmul_is_ggmls_generic_c_bit_for_bit(qtype, ggml_vectors):
+def test_q8_matmul_is_ggmls_generic_c_bit_for_bit(qtype, ggml_vectors, kernels):
     w = npz_weight(ggml_vectors, qtype)
-    got = NumpyBackend().matmul(ggml_vectors["acts_f32"], NumpyBackend().prepare(w))
+    backend = NumpyBackend(kernels=kernels)
+    got = backend.matmul(ggml_vectors["acts_f32"], backend.prepare(w))
     assert hashlib.sha256(got.tobytes()).hexdigest()[:16] == GENERIC_C_DIGESTS[qtype]
 
 
@@ -82,7 +92,8 @@ def test_q8_matmul_is_ggmls_generic_c_bit_for_bit(qtype, ggml_vectors):
 def test_activation_quantization_is_really_there(qtype, ggml_vectors):
     acts = ggml_vectors["acts_f32"]
     w = npz_weight(ggml_vectors, qtype)
-    q8 = NumpyBackend().matmul(acts, NumpyBackend().prepare(w))
+    q8_backend = NumpyBackend(kernels="numpy")
+    q8 = q8_backend.matmul(acts, q8_backend.prepare(w))
     f32_backend = NumpyBackend(activations="f32")
     f32 = f32_backend.matmul(acts, f32_backend.prepare(w))
     dense_backend = NumpyBackend(dequantize_all=True)
@@ -98,8 +109,8 @@ def test_ref_and_simd_rounding_differ_on_a_tie():
     x = np.zeros((1, 32), F32)
     x[0, :3] = [127.0, 0.5, 2.5]  # d = 1: the .5s are exact ties
     dw = F32(np.float16(F32(1) / F32(127)))  # the weight's stored scale
-    ref = NumpyBackend(activation_rounding="ref")
-    simd = NumpyBackend(activation_rounding="simd")
+    ref = NumpyBackend(activation_rounding="ref", kernels="numpy")
+    simd = NumpyBackend(activation_rounding="simd", kernels="numpy")
     # ref rounds ties away (1, 3), AVX2 to even (0, 2); sumf = sumi * (d_w * d_x), d_x = 1
     assert ref.matmul(x, ref.prepare(w))[0, 0] == F32(127 * (127 + 1 + 3)) * dw
     assert simd.matmul(x, simd.prepare(w))[0, 0] == F32(127 * (127 + 0 + 2)) * dw
@@ -110,8 +121,8 @@ def test_ref_and_simd_rounding_differ_on_a_tie():
 def test_chunking_does_not_change_results(qtype, activations, ggml_vectors):
     acts = ggml_vectors["acts_f32"]
     w = npz_weight(ggml_vectors, qtype)
-    whole = NumpyBackend(activations=activations)
-    tiny = NumpyBackend(activations=activations, work_bytes=1)  # one row and token a chunk
+    whole = NumpyBackend(activations=activations, kernels="numpy")
+    tiny = NumpyBackend(activations=activations, work_bytes=1, kernels="numpy")  # a row a chunk
     got = tiny.matmul(acts, tiny.prepare(w))
     want = whole.matmul(acts, whole.prepare(w))
     if activations == "q8" and qtype in QUANT_TYPES:  # exact integer sums, fixed float order
