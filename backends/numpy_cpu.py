@@ -32,6 +32,11 @@ views of the file, in the same chunks as here (F16 and BF16 weights keep the pla
 ``kernels="numpy"`` keeps this plain path, the oracle the kernels are tested against.
 ``threads`` sets numba's thread count for the kernels (default: numba's own in the calling
 thread at its first matmul, i.e. ``NUMBA_NUM_THREADS`` or the number of cores).
+``blas_threads`` (default 1) caps BLAS's threads, process-wide, when the kernels first run:
+the model's attention products go to BLAS, whose idle threads spin-wait for work on the
+cores the kernels' threads need (measured on 2 cores: teacher forcing over 337 tokens twice
+as fast with one BLAS thread; docs/bench.md). ``None`` leaves BLAS as it is. It needs
+threadpoolctl (part of ``qllama[fast]``) and is skipped without it.
 """
 
 from __future__ import annotations
@@ -71,6 +76,15 @@ _EXACT_F32 = 2**24  # every integer up to this magnitude is exact in float32
 # Below this many multiply-adds a matmul runs on one thread (~20 us): waking a second one
 # and meeting it at the end costs about as much.
 SERIAL_MACS = 1 << 17
+
+
+def _limit_blas(threads: int) -> None:
+    """Cap every loaded BLAS at ``threads`` threads (process-wide; threadpoolctl if present)."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        return
+    threadpool_limits(limits=threads, user_api="blas")
 
 
 def kernels_available() -> bool:
@@ -238,12 +252,13 @@ class NumpyBackend(ArrayBackend):
         work_bytes: int = 64 << 20,
         kernels: str | None = None,
         threads: int | None = None,
+        blas_threads: int | None = 1,
         **options: Any,
     ) -> None:
         if options:
             raise BackendError(
                 f"backend numpy has no options {sorted(options)}; it takes activations, "
-                "activation_rounding, work_bytes, kernels and threads"
+                "activation_rounding, work_bytes, kernels, threads and blas_threads"
             )
         if kernels is None:
             kernels = "numba" if kernels_available() else "numpy"
@@ -254,8 +269,9 @@ class NumpyBackend(ArrayBackend):
                 "backend numpy: kernels='numba' needs numba; install it with "
                 "pip install 'qllama[fast]', or use kernels='numpy'"
             )
-        if threads is not None and threads < 1:
-            raise BackendError(f"backend numpy: threads must be at least 1, not {threads}")
+        for option, value in (("threads", threads), ("blas_threads", blas_threads)):
+            if value is not None and value < 1:
+                raise BackendError(f"backend numpy: {option} must be at least 1, not {value}")
         if activations not in ACTIVATIONS:
             raise BackendError(
                 f"backend numpy: activations must be one of {ACTIVATIONS}, not {activations!r}"
@@ -277,6 +293,8 @@ class NumpyBackend(ArrayBackend):
         self.work_bytes = work_bytes
         self.kernels = kernels
         self.threads = threads
+        self.blas_threads = blas_threads
+        self._blas_limited = False
         self._kernel_state: tuple[int, Any, int] | None = None  # thread id, module, threads
 
     @property
@@ -382,6 +400,10 @@ class NumpyBackend(ArrayBackend):
         serial = threads == 1 or tokens * k * rows < SERIAL_MACS
         kernel = ck.kernel(code, serial=serial)
         out: np.ndarray = kernel(raw, rows, x, self.activation_rounding == "simd", threads)
+        if not self._blas_limited:  # after the first call, which loads the last BLAS (scipy's)
+            self._blas_limited = True
+            if self.blas_threads is not None:
+                _limit_blas(self.blas_threads)
         return out
 
     def _kernels_for_this_thread(self) -> tuple[Any, int]:

@@ -43,10 +43,11 @@ def _fmt(x: float | None) -> str:
 
 
 # --- 1. the F32 control ------------------------------------------------------------------------
-# Measured: 4e-5 (numpy) to 1.5e-4 (jax) at the last position, under 3e-4 at any step. What
-# is left at F32 is summation order (BLAS, softmax, RMSNorm), ulp-level; 1e-3 is an order of
-# magnitude above it and three orders below Q8_0's error, so a real implementation error (a
-# RoPE or attention slip gives errors of 1 and more) cannot hide under it.
+# Measured (docs/results.md): 4.0e-5 (numpy, torch) and 5.3e-5 (jax) at the last position,
+# 7.2e-5 to 1.05e-4 at the worst of 300 steps. What is left at F32 is summation order (BLAS,
+# softmax, RMSNorm), ulp-level; 1e-3 (the issue's bound) is an order of magnitude above it
+# and nearly three below Q8_0's 0.69, so a real implementation error (a RoPE or attention
+# slip gives errors of 1 and more) cannot hide under it.
 F32_BOUND = 1e-3
 
 
@@ -72,10 +73,11 @@ def f32_control(cells: dict[str, Any], data: dict[str, Any]) -> list[Check]:
 
 
 # --- 2. Q4_K_M error is several times Q8_0's ---------------------------------------------------
-# Measured last-position ratios: see docs/results.md (about 4x in every arithmetic). The
-# original study saw 3-6x depending on arithmetic and prompt; [2, 10] keeps the finding
-# ("several times") while allowing another prompt to move it.
-RATIO = (2.0, 10.0)
+# Measured last-position ratios: 4.23 (gpu, dequantize-all, jax) and 3.55 (cpu, whose Q8_0
+# error is larger). [2.5, 8] keeps the finding ("several times") with room for another
+# prompt to move it by a third either way; a ratio near 1 (Q4_K_M no worse than Q8_0) or
+# an order of magnitude (a broken K-quant) fails.
+RATIO = (2.5, 8.0)
 
 
 def q4_vs_q8(cells: dict[str, Any], data: dict[str, Any]) -> list[Check]:
@@ -100,13 +102,17 @@ def q4_vs_q8(cells: dict[str, Any], data: dict[str, Any]) -> list[Check]:
 
 # --- 3. where the CPU arithmetic's error shows ---------------------------------------------------
 # Q8_0: activation quantization adds error on top of the weight error. Measured on the median
-# per-step max|Δ| (robust to one step): see docs/results.md; we ask for at least 5% more.
-CPU_EXTRA = 1.05
+# per-step max|Δ| (robust to one step): 0.791 (cpu) against 0.546 (gpu), 1.45x. We ask for
+# 1.2x: half the measured excess, still an effect no summation order could make (those are
+# 1e-4), and it fails if the activations stopped being quantized (ratio 1.00).
+CPU_EXTRA = 1.2
 # GPU and dequantize-all compute the same products (weights dequantized either way) and differ
-# by float32 summation order only: measured relative differences of ~1e-4; 2% is far above.
-SAME = 0.02
-# Q4_K_M: the weight error swamps the activation error, all three within "a few percent";
-# measured differences: see docs/results.md; 10% is "a few percent" with margin.
+# by float32 summation order only: measured relative difference 3.7e-6. 1e-3 is far above
+# that and far below the 45% the activation quantization makes.
+SAME = 1e-3
+# Q4_K_M: the weight error swamps the activation error, all three within "a few percent":
+# measured 3.6% (cpu against gpu) and 0.0% (dequantize-all). 10% is "a few percent" with
+# room for another prompt, and below Q8_0's 23% cpu excess at the last position.
 FEW_PERCENT = 0.10
 
 
@@ -156,10 +162,10 @@ def arithmetic(cells: dict[str, Any], data: dict[str, Any]) -> list[Check]:
 
 
 # --- 4. which steps flip under teacher forcing --------------------------------------------------
-# Q8_0 flips only where the reference is nearly tied: measured flips at margins below 0.1
-# (docs/results.md). A margin of 0.5 logit is still a near-tie for a 49152-way softmax whose
-# top logits sit around 15-20; a flip above it would be a real change of mind.
-NEAR_TIE = 0.5
+# Q8_0 flips only where the reference is nearly tied: measured flip margins 0.025 and 0.173
+# (gpu, dequantize-all, jax), 0.044 to 0.110 (cpu), against top logits of 18-28. 0.35 is twice
+# the largest; Q4_K_M, whose error is four times larger, flips steps up to 0.58.
+NEAR_TIE = 0.35
 
 
 def flips(cells: dict[str, Any], data: dict[str, Any]) -> list[Check]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import json
 import platform
+import re
 from pathlib import Path
 from typing import Any
 
@@ -84,8 +85,8 @@ def _g(x: float) -> str:
 
 
 def _row(*cells: Any) -> str:
-    """A markdown table row."""
-    return "| " + " | ".join(str(c) for c in cells) + " |"
+    """A markdown table row; a bare ``|`` inside a cell (``max|Δ|``) is escaped."""
+    return "| " + " | ".join(re.sub(r"(?<!\\)\|", r"\\|", str(c)) for c in cells) + " |"
 
 
 def _table(header: list[str], rows: list[list[Any]]) -> list[str]:

@@ -8,6 +8,8 @@ zeros, subnormals, overflow, infinities and NaNs. Skipped where numba is not ins
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -212,7 +214,47 @@ def test_options_are_checked():
         NumpyBackend(kernels="fortran")
     with pytest.raises(BackendError, match="threads"):
         NumpyBackend(threads=0)
+    with pytest.raises(BackendError, match="blas_threads must be at least 1, not 0"):
+        NumpyBackend(blas_threads=0)
     assert NumpyBackend().kernels == "numba"  # the default where numba is installed
+
+
+BLAS_CHECK = """
+import sys
+import numpy as np
+from threadpoolctl import threadpool_info
+from qllama import quants
+from qllama.backends.base import QuantTensor
+from qllama.backends.numpy_cpu import NumpyBackend
+from qllama.ggml_types import GGMLType
+
+def blas():
+    return sorted({p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas"})
+
+before = blas()
+raw = quants.quantize(np.ones((4, 256), np.float32), "Q8_0").reshape(-1)
+backend = NumpyBackend(kernels="numba", blas_threads=None if sys.argv[1] == "None" else 1)
+w = backend.prepare(QuantTensor("w", GGMLType.Q8_0, (4, 256), raw))
+backend.matmul(np.ones((2, 256), np.float32), w)
+print(before, blas())
+"""
+
+
+@pytest.mark.parametrize("blas_threads", ["1", "None"])
+def test_the_kernels_cap_blas_threads(blas_threads):
+    """BLAS's spinning threads would take the kernels' cores: capped at the first kernel call
+    (in a process of its own: the cap is process-wide)."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("threadpoolctl")
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "2", "OMP_NUM_THREADS": "2"}
+    run = subprocess.run(
+        [sys.executable, "-c", BLAS_CHECK, blas_threads], env=env, capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    before, after = run.stdout.strip().split("] [")
+    assert before == "[2" and after == ("1]" if blas_threads == "1" else "2]")
 
 
 PORTABLE_CHECK = """
