@@ -734,8 +734,7 @@ class Worker:
             self.stop()
             return {"stages": [], "escape": f"timeout: no answer within {self.timeout} s"}
         except (EOFError, BrokenPipeError):
-            code = self.proc.wait()
-            self._note_rss()
+            code = self._reap()
             self.proc = None
             how = f"signal {-code}" if code < 0 else f"exit status {code}"
             return {"stages": [], "escape": f"crash: the worker died ({how})"}
@@ -744,16 +743,23 @@ class Worker:
             self.stop()  # its state after an escape is not to be trusted
         return result
 
-    def _note_rss(self) -> None:
-        rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-        self.peak_rss_kib = max(self.peak_rss_kib, rss)
+    def _reap(self) -> int:
+        """Wait for the worker and note its own peak RSS (``wait4``: RUSAGE_CHILDREN would
+        mix in every other child this process ever waited for)."""
+        assert self.proc is not None
+        try:
+            _, status, usage = os.wait4(self.proc.pid, 0)
+        except ChildProcessError:  # already reaped
+            return self.proc.wait()
+        self.proc.returncode = os.waitstatus_to_exitcode(status)
+        self.peak_rss_kib = max(self.peak_rss_kib, usage.ru_maxrss)
+        return self.proc.returncode
 
     def stop(self) -> None:
         if self.proc is not None:
             with contextlib.suppress(ProcessLookupError):
                 self.proc.kill()
-            self.proc.wait()
-            self._note_rss()
+            self._reap()
             self.proc = None
 
 
