@@ -643,12 +643,26 @@ def run_case(target: str, data: bytes, scratch: Path, backend: Any) -> dict[str,
             result["escape"] = f"{type(e).__name__}: {text} (at {_innermost(e.__traceback__)})"
     gc.collect()
     result["fds_leaked"] = max(0, _open_fds() - fds)
-    result["maxrss_kib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    result["maxrss_kib"] = peak_rss_kib()
     result["baseline_kib"] = _BASELINE_KIB
     return result
 
 
 _BASELINE_KIB = 0  # the worker's peak RSS once its imports are done
+
+
+def peak_rss_kib() -> int:
+    """This process's peak RSS since it started its program: Linux's VmHWM. (getrusage's
+    ru_maxrss also keeps the pages of the process it was forked from, before the exec: a
+    worker started by a large test process would report that process's size.)"""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
 def _send(stream: Any, obj: Any) -> None:
@@ -668,7 +682,7 @@ def worker_main(memory_mib: int) -> None:
     global _BASELINE_KIB
 
     backend = get_backend("numpy")
-    _BASELINE_KIB = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    _BASELINE_KIB = peak_rss_kib()
     limit = memory_mib << 20
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
@@ -734,7 +748,7 @@ class Worker:
             self.stop()
             return {"stages": [], "escape": f"timeout: no answer within {self.timeout} s"}
         except (EOFError, BrokenPipeError):
-            code = self._reap()
+            code = self.proc.wait()  # its peak RSS is what it reported with each case
             self.proc = None
             how = f"signal {-code}" if code < 0 else f"exit status {code}"
             return {"stages": [], "escape": f"crash: the worker died ({how})"}
@@ -743,23 +757,11 @@ class Worker:
             self.stop()  # its state after an escape is not to be trusted
         return result
 
-    def _reap(self) -> int:
-        """Wait for the worker and note its own peak RSS (``wait4``: RUSAGE_CHILDREN would
-        mix in every other child this process ever waited for)."""
-        assert self.proc is not None
-        try:
-            _, status, usage = os.wait4(self.proc.pid, 0)
-        except ChildProcessError:  # already reaped
-            return self.proc.wait()
-        self.proc.returncode = os.waitstatus_to_exitcode(status)
-        self.peak_rss_kib = max(self.peak_rss_kib, usage.ru_maxrss)
-        return self.proc.returncode
-
     def stop(self) -> None:
         if self.proc is not None:
             with contextlib.suppress(ProcessLookupError):
                 self.proc.kill()
-            self._reap()
+            self.proc.wait()
             self.proc = None
 
 
