@@ -157,21 +157,25 @@ def _kquant_run(builder: ir.IRBuilder, fmt: int, p: Any, m: int) -> Any:
     return builder.sub(q, _splat(I8, 32, 32))
 
 
-def _literal(ty: Any) -> int | None:
-    """The value of a compile-time constant argument (None: not one; numba then retries with
-    the literal)."""
-    return int(ty.literal_value) if isinstance(ty, types.IntegerLiteral) else None
+def _literal(ty: Any, allowed: tuple[int, ...], what: str) -> int | None:
+    """The value of a compile-time constant argument, one of ``allowed`` (None: not a
+    constant yet; numba then retries with the literal)."""
+    if not isinstance(ty, types.IntegerLiteral):
+        return None
+    value = int(ty.literal_value)
+    if value not in allowed:
+        raise TypeError(f"{what} is one of {allowed}, not {value}")
+    return value
 
 
 @intrinsic(prefer_literal=True)
 def decode_block(typingctx: Any, raw: Any, off: Any, q: Any, qo: Any, fmt: Any, stored: Any) -> Any:
     """Write the codes of the block at byte ``off`` of ``raw`` to ``q[qo:qo+block]``: signed
     as ``integer_form`` gives them, or (``stored`` 1, the 32-blocks) unsigned as stored."""
-    f, raw_codes = _literal(fmt), _literal(stored)
+    f = _literal(fmt, LEGACY + KQUANTS, "decode_block: fmt")
+    raw_codes = _literal(stored, (0, 1), "decode_block: stored")
     if f is None or raw_codes is None:
         return None
-    if f not in LEGACY + KQUANTS:
-        raise TypeError(f"decode_block: no codes for format {f}")
 
     def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> Any:
         p = _ptr(context, builder, sig.args[0], args[0], args[1])
@@ -276,11 +280,9 @@ def dots(
     and doubling the sums per vector at each step, so each sum costs a fraction of a
     horizontal reduction.
     """
-    count = _literal(n)
+    count = _literal(n, (1, 2, 4, 8, 16), "dots: n")
     if count is None:
         return None
-    if count not in (1, 2, 4, 8, 16):
-        raise TypeError("dots: n is 1, 2, 4, 8 or 16")
 
     def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> Any:
         i64 = ir.IntType(64)
@@ -350,11 +352,9 @@ def token_dots(
     unsigned: 0, the weights (stored codes of Q4/Q5); 1, the activations (``x ^ 0x80``
     against Q8_0's signed weights).
     """
-    unsigned_w = _literal(mode)
+    unsigned_w = _literal(mode, (0, 1), "token_dots: mode")
     if unsigned_w is None:
         return None
-    if unsigned_w not in (0, 1):
-        raise TypeError("token_dots: mode is 0 or 1")
 
     def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> Any:
         i64 = ir.IntType(64)
@@ -472,11 +472,9 @@ def decode_scales(typingctx: Any, raw: Any, off: Any, sc: Any, mins: Any, fmt: A
     """A K-quant super-block's integer sub-block scales into ``sc[0:16]`` (``integer_form``'s
     ``scales``; 8 for Q4_K/Q5_K) and its mins per group of 16 elements into ``mins[0:16]``
     (Q4_K/Q5_K: each sub-block's twice; zero without mins), int32."""
-    f = _literal(fmt)
+    f = _literal(fmt, KQUANTS, "decode_scales: fmt (a K-quant)")
     if f is None:
         return None
-    if f not in KQUANTS:
-        raise TypeError(f"decode_scales: {f} is not a K-quant")
 
     def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> Any:
         zero = ir.Constant(ir.IntType(64), 0)
@@ -505,11 +503,9 @@ def lanes8(typingctx: Any, q: Any, x: Any, ix: Any, scales: Any, out: Any, sub: 
     with sub-blocks of ``sub`` (16 or 32) elements; ``q`` holds the block's codes (int8),
     ``scales`` (int32) one integer scale per sub-block.
     """
-    size = _literal(sub)
+    size = _literal(sub, (16, 32), "lanes8: sub (elements of a sub-block)")
     if size is None:
         return None
-    if size not in (16, 32):
-        raise TypeError("lanes8: sub-blocks are 16 or 32 elements")
 
     def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> Any:
         zero = ir.Constant(ir.IntType(64), 0)

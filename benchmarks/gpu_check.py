@@ -50,9 +50,11 @@ def make_files(where: Path, layers: int) -> None:
     f32.unlink()  # the quantized files are what travels
 
 
-def agreement(path: Path, device: str, ids: list[int], new_tokens: int) -> dict[str, Any]:
-    """The device's logits and greedy tokens against numpy's dequantize-all."""
-    ref_model = qllama.load(path, backend="numpy", dequantize_all=True)
+def agreement(
+    path: Path, ref_model: Any, device: str, ids: list[int], new_tokens: int
+) -> dict[str, Any]:
+    """The device's logits and greedy tokens against ``ref_model`` (numpy's dequantize-all
+    of the same file)."""
     ref = ref_model.forward(ids, 0, all_logits=True)
     ref_tokens = ref_model.generate(ids[:8], max_new_tokens=new_tokens).ids
     out: dict[str, Any] = {}
@@ -112,10 +114,10 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(0)
     for ftype in FILE_TYPES:
         path = args.files / f"synthetic-{ftype.lower()}.gguf"
-        n_vocab = qllama.load(path).config.n_vocab
-        ids = [int(i) for i in rng.integers(1, n_vocab, 128)]
+        ref_model = qllama.load(path, backend="numpy", dequantize_all=True)
+        ids = [int(i) for i in rng.integers(1, ref_model.config.n_vocab, 128)]
         result["files"][ftype] = {
-            "agreement": agreement(path, device, ids, 32),
+            "agreement": agreement(path, ref_model, device, ids, 32),
             "speed": speed(path, device, ids, args.threads),
         }
         for mode, a in result["files"][ftype]["agreement"].items():

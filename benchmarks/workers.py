@@ -172,18 +172,13 @@ def profile_qllama(model: Any, ids: list[int], job: dict) -> dict:
 def run_ids(job: dict) -> dict:
     """The benchmark's token ids: the chat prompt, then ``new_tokens`` greedy tokens of qllama
     (dequantize-all, the F32 file), end-of-turn ignored so that the length is fixed."""
-    import numpy as np
-
     import qllama
-    from qllama.array_api import to_numpy
+    from qllama.generation import Sampler, generate_ids
 
     model = qllama.load(job["file"], dequantize_all=True)
     prompt = model.apply_chat_template(job["messages"])
-    ids = list(prompt)
-    logits = to_numpy(model.forward(ids, 0))
-    for _ in range(job["new_tokens"]):
-        ids.append(int(np.argmax(logits)))
-        logits = to_numpy(model.forward([ids[-1]], len(ids) - 1))
+    greedy = generate_ids(model, prompt, max_new_tokens=job["new_tokens"], sampler=Sampler())
+    ids = [*prompt, *greedy]  # no stop ids: the length is fixed
     stops = set(model.tokenizer.stop_ids)
     first_stop = next((i for i, t in enumerate(ids[len(prompt) :]) if t in stops), None)
     return {"ids": ids, "prompt_len": len(prompt), "first_stop": first_stop}

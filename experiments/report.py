@@ -85,7 +85,7 @@ def _g(x: float) -> str:
 
 
 def _row(*cells: Any) -> str:
-    """A markdown table row; a bare ``|`` inside a cell (``max|Δ|``) is escaped."""
+    """A markdown table row; a ``|`` inside a cell (``max|Δ|``) is escaped, once."""
     return "| " + " | ".join(re.sub(r"(?<!\\)\|", r"\\|", str(c)) for c in cells) + " |"
 
 
@@ -161,7 +161,7 @@ def tables(data: dict[str, Any], checks: list[Any]) -> str:
         )
     header = [
         "cell",
-        "step 0 max\\|Δ\\|",
+        "step 0 max|Δ|",
         "median",
         "max",
         "argmax agree",
@@ -190,7 +190,7 @@ def tables(data: dict[str, Any], checks: list[Any]) -> str:
         "99% KLD",
         "same top",
         "RMS Δp",
-        "batched: median max\\|Δ\\|",
+        "batched: median max|Δ|",
         "batched: argmax agree",
     ]
     out += _table(header, rows)
@@ -255,8 +255,8 @@ def tables(data: dict[str, Any], checks: list[Any]) -> str:
 
 
 def _md(text: str) -> str:
-    """Text safe inside a markdown table cell."""
-    return "`" + text.replace("\n", "⏎").replace("|", "\\|").replace("`", "'") + "`" if text else ""
+    """Text safe inside a markdown table cell (whose ``|`` :func:`_row` escapes)."""
+    return "`" + text.replace("\n", "⏎").replace("`", "'") + "`" if text else ""
 
 
 def plots(data: dict[str, Any], folder: Path) -> None:

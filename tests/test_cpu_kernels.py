@@ -70,14 +70,14 @@ def agree(got: np.ndarray, want: np.ndarray) -> None:
 
 
 @pytest.fixture(params=["serial", "parallel"])
-def kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+def parallelism(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """The serial and the parallel (2 threads) kernels, whatever the size of the matmul."""
     monkeypatch.setattr(numpy_cpu, "SERIAL_MACS", 0 if request.param == "parallel" else 2**62)
     return request.param
 
 
-def backends(rounding: str, kernels: str) -> tuple[NumpyBackend, NumpyBackend]:
-    threads = 2 if kernels == "parallel" else 1
+def backends(rounding: str, parallelism: str) -> tuple[NumpyBackend, NumpyBackend]:
+    threads = 2 if parallelism == "parallel" else 1
     fast = NumpyBackend(activation_rounding=rounding, kernels="numba", threads=threads)
     return fast, NumpyBackend(activation_rounding=rounding, kernels="numpy")
 
@@ -85,28 +85,28 @@ def backends(rounding: str, kernels: str) -> tuple[NumpyBackend, NumpyBackend]:
 @pytest.mark.parametrize("qtype", LEGACY + KQUANTS)
 @pytest.mark.parametrize("rounding", ["ref", "simd"])
 @pytest.mark.parametrize("tokens", [1, 3, 16, 37])
-def test_kernels_equal_the_oracle(qtype, rounding, tokens, kernels):
+def test_kernels_equal_the_oracle(qtype, rounding, tokens, parallelism):
     k = 768 if qtype in KQUANTS else 608  # 19 blocks of 32: every tail of the 16-block sums
     w = random_weight(qtype, 13, k, seed=tokens)
     x = hard_activations(tokens, k, seed=tokens)
-    fast, oracle = backends(rounding, kernels)
+    fast, oracle = backends(rounding, parallelism)
     agree(fast.matmul(x, fast.prepare(w)), oracle.matmul(x, oracle.prepare(w)))
 
 
 @pytest.mark.parametrize("qtype", LEGACY + KQUANTS)
 @pytest.mark.parametrize("shape", [(1, 1), (5, 2), (33, 3)])  # rows, blocks
-def test_odd_shapes(qtype, shape, kernels):
+def test_odd_shapes(qtype, shape, parallelism):
     rows, blocks = shape
     k = blocks * (256 if qtype in KQUANTS else 32)
     w = random_weight(qtype, rows, k, seed=rows)
-    fast, oracle = backends("ref", kernels)
+    fast, oracle = backends("ref", parallelism)
     for tokens in (1, 17):
         x = hard_activations(tokens, k, seed=blocks)
         agree(fast.matmul(x, fast.prepare(w)), oracle.matmul(x, oracle.prepare(w)))
 
 
 @pytest.mark.parametrize("qtype", LEGACY + KQUANTS)
-def test_non_finite_activations(qtype, kernels):
+def test_non_finite_activations(qtype, parallelism):
     k = 512
     w = random_weight(qtype, 9, k, seed=3)
     x = hard_activations(18, k, seed=4)
@@ -115,7 +115,7 @@ def test_non_finite_activations(qtype, kernels):
     x[5, 31] = np.nan  # the last of a block: the running max ends on a NaN
     x[6, 0] = np.nan  # the first: a later element replaces it
     x[17, 300] = np.nan
-    fast, oracle = backends("ref", kernels)
+    fast, oracle = backends("ref", parallelism)
     for rounding in ("ref", "simd"):
         fast.activation_rounding = oracle.activation_rounding = rounding
         for rows in (slice(0, 1), slice(0, 18)):
