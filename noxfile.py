@@ -46,20 +46,32 @@ def experiments(session: nox.Session) -> None:
     session.run("python", "-m", "experiments.run", *session.posargs)
 
 
-LLAMA_CPP = "llama-cpp-python==0.3.36"
-# the native build (AMX) crashes on these machines; AVX2/AVX-512 without AMX works
-LLAMA_CPP_CMAKE = (
-    "-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF"
-)
+# llama.cpp for the peer sessions: built from the llama-cpp-python sdist for the CPU it runs on
+# (AVX-512 only where /proc/cpuinfo has avx512f, never AMX), cached per flags
+# (tools/llama_cpp_build.py).
+LLAMA_CPP_BUILD = "tools/llama_cpp_build.py"
+
+
+def llama_cpp_wheel(session: nox.Session) -> str:
+    """Build (once per CPU flags) and return the llama-cpp-python wheel."""
+    out = session.run("python", LLAMA_CPP_BUILD, "wheel", silent=True)
+    return str(out).strip().splitlines()[-1]
+
+
+def llama_cpp_tools(session: nox.Session) -> str:
+    """Build (once per CPU flags) and return the bin folder of llama.cpp's tools."""
+    out = session.run("python", LLAMA_CPP_BUILD, "tools", silent=True)
+    return str(out).strip().splitlines()[-1]
 
 
 @nox.session
 def peers(session: nox.Session) -> None:
-    """Compare with llama.cpp: quantizer bytes, tokenizer ids (builds llama-cpp-python, ~6 min)."""
-    session.install(TORCH)
+    """Compare with llama.cpp: quantizer bytes, tokenizer ids (builds llama.cpp, ~15 min once)."""
+    session.install(TORCH, *REFERENCE)
     session.install(".[dev,torch,reference]")
-    session.install(LLAMA_CPP, env={"CMAKE_ARGS": LLAMA_CPP_CMAKE})
-    session.run("pytest", "tests/peers", *session.posargs)
+    session.install(llama_cpp_wheel(session))
+    bin_dir = llama_cpp_tools(session)
+    session.run("pytest", "tests/peers", f"--llama-bin={bin_dir}", *session.posargs)
 
 
 @nox.session
@@ -95,7 +107,7 @@ def bench(session: nox.Session) -> None:
     session.install(".[torch,jax,fast,reference]")
     note = []
     try:
-        session.install(LLAMA_CPP, env={"CMAKE_ARGS": LLAMA_CPP_CMAKE})
+        session.install(llama_cpp_wheel(session))
     except nox.command.CommandFailed:
-        note = ["--llama-note", f"{LLAMA_CPP} did not build (CMAKE_ARGS={LLAMA_CPP_CMAKE})"]
+        note = ["--llama-note", f"llama-cpp-python did not build ({LLAMA_CPP_BUILD} wheel)"]
     session.run("python", "benchmarks/bench.py", *note, *session.posargs)

@@ -17,6 +17,14 @@ DATA = Path(__file__).parent / "data"
 XP_NAMES = ["numpy", "array_api_strict", "torch", "jax"]
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--llama-bin",
+        default=None,
+        help="llama.cpp's tools (llama-quantize, llama-imatrix, llama-perplexity), for tests/peers",
+    )
+
+
 @pytest.fixture(scope="session")
 def ggml_vectors() -> dict[str, np.ndarray]:
     with np.load(DATA / "ggml_vectors.npz") as z:
