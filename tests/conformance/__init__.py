@@ -52,6 +52,9 @@ class Spec:
     config: dict[str, Any]
     template: str | None = None  # llama.cpp's models/templates/<template>
     norm_offset: float = 1.0  # random norm weights are offset + N(0, 0.1): gemma stores w, not 1+w
+    # "spm": the tiny SentencePiece model; a llama.cpp vocabulary name (models/ggml-vocab-*)
+    # for converters that only read a BPE tokenizer.json (olmo2): transformers builds it
+    vocab: str = "spm"
     notes: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -171,7 +174,7 @@ MODELS: dict[str, Spec] = {
             },
             "ibm-granite-granite-3.3-2B-Instruct.jinja",
         ),
-        Spec("olmo2", "Olmo2Config", "olmo2", {**_BASE}),
+        Spec("olmo2", "Olmo2Config", "olmo2", {**_BASE, "vocab_size": 50257}, vocab="gpt-2"),
         Spec(
             "smollm3",  # layer 3 of 4 skips RoPE
             "SmolLM3Config",
@@ -277,6 +280,13 @@ def build_hf(spec: Spec, folder: Path) -> None:
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     randomize(model, spec, SEED)
     model.save_pretrained(folder)
+    if spec.vocab != "spm":
+        vocab = llama_cpp_source() / "models"
+        tok = transformers.AutoTokenizer.from_pretrained(
+            vocab, gguf_file=f"ggml-vocab-{spec.vocab}.gguf"
+        )
+        tok.save_pretrained(folder)
+        return
     tokenizer_model(folder)
     tok_config: dict[str, Any] = {
         "tokenizer_class": "LlamaTokenizer",  # phi3's converter reads it
@@ -321,7 +331,7 @@ class Built:
 
         rng = np.random.default_rng(seed)
         first = 3 + 256 + len(CHAT_TOKENS)  # past <unk> <s> </s>, the bytes and the chat tokens
-        return [1, *rng.integers(first, N_VOCAB, n - 1).tolist()]
+        return [1, *rng.integers(first, self.spec.config["vocab_size"], n - 1).tolist()]
 
 
 def build(name: str) -> Built:
@@ -342,3 +352,67 @@ def build(name: str) -> Built:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return Built(spec, final / "hf", final / "model-f32.gguf")
+
+
+# --- llama.cpp (llama-cpp-python) on a converted or quantized file --------------------------
+
+KV_TYPES = {"f32": 0, "f16": 1}  # GGML_TYPE_F32, GGML_TYPE_F16
+
+
+class LlamaCpp:
+    """llama.cpp's CPU on one file through llama-cpp-python: logits of every position,
+    greedy decoding. ``kv`` is the KV cache's type (llama.cpp's default is f16)."""
+
+    def __init__(self, path: Path, *, kv: str = "f32", n_ctx: int = 256) -> None:
+        import llama_cpp
+
+        self.model = llama_cpp.Llama(
+            str(path),
+            n_ctx=n_ctx,
+            n_batch=n_ctx,
+            n_ubatch=n_ctx,
+            n_threads=2,
+            logits_all=True,
+            type_k=KV_TYPES[kv],
+            type_v=KV_TYPES[kv],
+            flash_attn=False,
+            swa_full=True,
+            seed=0,
+            verbose=False,
+        )
+
+    def logits(self, ids: list[int]) -> Any:
+        """(len(ids), vocab) float32: one forward pass over ``ids`` from an empty cache."""
+        import numpy as np
+
+        self.model.reset()
+        self.model.eval(ids)
+        return np.array(self.model.scores[: len(ids)], dtype=np.float32)
+
+    def greedy(self, ids: list[int], n: int) -> list[int]:
+        """``n`` greedy tokens after ``ids`` (prefill, then one token at a time)."""
+        import numpy as np
+
+        self.model.reset()
+        self.model.eval(ids)
+        out: list[int] = []
+        for _ in range(n):
+            nxt = int(np.argmax(self.model.scores[self.model.n_tokens - 1]))
+            out.append(nxt)
+            self.model.eval([nxt])
+        return out
+
+    def close(self) -> None:
+        self.model.close()
+
+
+def transformers_logits(built: Built, ids: list[int]) -> Any:
+    """transformers' own modeling code on the saved safetensors, f32, eager attention."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        built.hf, dtype=torch.float32, attn_implementation="eager"
+    )
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].numpy()
