@@ -50,7 +50,9 @@ class QKNorm(enum.Enum):
     """RMSNorm of the queries and keys before RoPE."""
 
     NONE = "none"
-    PER_HEAD = "per_head"  # over head_dim, one weight (head_dim,) shared by the heads: qwen3, gemma3
+    PER_HEAD = (
+        "per_head"  # over head_dim, one weight (head_dim,) shared by the heads: qwen3, gemma3
+    )
     WHOLE = "whole"  # over the whole projection, weight (n_head * head_dim,): olmo2
 
 
@@ -237,9 +239,7 @@ ARCHITECTURES: dict[str, Architecture] = {
             extra_tensors=LLAMA_OPTIONAL,
             refused_keys=("attention.temperature_scale", *_YARN),
         ),
-        Architecture(
-            "qwen2", RopeLayout.HALVES, q_width_is_embd=True, extra_tensors=OUTPUT_BIAS
-        ),
+        Architecture("qwen2", RopeLayout.HALVES, q_width_is_embd=True, extra_tensors=OUTPUT_BIAS),
         Architecture("qwen3", RopeLayout.HALVES, qk_norm=QKNorm.PER_HEAD),
         Architecture(
             "phi3",

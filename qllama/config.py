@@ -228,7 +228,9 @@ class _Reader:
         """Per block: the rotation (with the sliding layers' own base) and the window."""
         a = self.a
         window = self.integer("attention.sliding_window", 0, MAX_CONTEXT, default=a.swa_window)
-        if a.swa_pattern == 0 or (a.swa_needs_key and self.value("attention.sliding_window") is None):
+        if a.swa_pattern == 0 or (
+            a.swa_needs_key and self.value("attention.sliding_window") is None
+        ):
             window = 0
         sliding = self.sliding_layers(n_layer) if window else [False] * n_layer
         swa_rope = Rope(

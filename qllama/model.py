@@ -351,9 +351,7 @@ class Llama:
         """Decode from ``prompt``, yielding text as it comes (:func:`qllama.generation.stream`)."""
         return generation.stream(self, prompt, **options)
 
-    def _attention(
-        self, x: Any, layer: LayerWeights, i: int, pos: int, rot: Any, mask: Any
-    ) -> Any:
+    def _attention(self, x: Any, layer: LayerWeights, i: int, pos: int, rot: Any, mask: Any) -> Any:
         xp, c = self.xp, self.config
         T, hd, hd_v, n_kv, n_rep = x.shape[0], c.head_dim, c.head_dim_v, c.n_head_kv, c.n_rep
         q, k, v = self._qkv(x, layer)  # (T, n_head*hd), (T, n_kv*hd), (T, n_kv*hd_v)
@@ -376,7 +374,9 @@ class Llama:
             scores = softcap(scores, c.attn_softcap, xp=xp)
         p = self.cache.operand(softmax(scores + mask, xp=xp))
         out = xp.matmul(p, xp.permute_dims(v, (1, 0, 2))[:, None, :, :])  # (n_kv, n_rep, T, hd_v)
-        out = xp.reshape(xp.permute_dims(out, (2, 0, 1, 3)), (T, c.n_head * hd_v))  # (T, n_head*hd_v)
+        out = xp.reshape(
+            xp.permute_dims(out, (2, 0, 1, 3)), (T, c.n_head * hd_v)
+        )  # (T, n_head*hd_v)
         return self._linear(out, layer.attn_output, layer.attn_output_bias)
 
     def _qkv(self, x: Any, layer: LayerWeights) -> tuple[Any, Any, Any]:

@@ -185,7 +185,12 @@ def tensor_shapes(cfg: TinyConfig, n_vocab: int) -> dict[str, tuple[int, ...]]:
     a = architecture(cfg.arch)
     c = model_config(cfg, n_vocab)
     fused = cfg.fused_qkv if a.fused_qkv is None else a.fused_qkv
-    wanted = {"output.weight": not cfg.tied, "rope_freqs.weight": cfg.rope_freqs}
+    # output.bias (qwen2 allows one) is left out: no converter writes it
+    wanted = {
+        "output.weight": not cfg.tied,
+        "rope_freqs.weight": cfg.rope_freqs,
+        "output.bias": False,
+    }
     shapes = {}
     for t in a.tensors(c, fused_qkv=fused):
         keep = wanted.get(t.name, cfg.biases and t.name.endswith(".bias"))
@@ -194,7 +199,9 @@ def tensor_shapes(cfg: TinyConfig, n_vocab: int) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def write_tiny(path: str | os.PathLike[str], cfg: TinyConfig = TinyConfig(), *, seed: int = 0) -> None:
+def write_tiny(
+    path: str | os.PathLike[str], cfg: TinyConfig = TinyConfig(), *, seed: int = 0
+) -> None:
     """Write a random tiny GGUF of ``cfg.arch`` to ``path``."""
     rng = np.random.default_rng(seed)
     vocab_meta = _vocabulary_metadata(cfg.vocab)

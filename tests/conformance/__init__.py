@@ -274,9 +274,7 @@ def build_hf(spec: Spec, folder: Path) -> None:
     import transformers
 
     torch.manual_seed(SEED)
-    config = getattr(transformers, spec.config_class)(
-        **spec.config, bos_token_id=1, eos_token_id=2
-    )
+    config = getattr(transformers, spec.config_class)(**spec.config, bos_token_id=1, eos_token_id=2)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     randomize(model, spec, SEED)
     model.save_pretrained(folder)

@@ -83,9 +83,7 @@ def test_llama_cpp_represents_the_model(built: C.Built, reference: np.ndarray) -
 
 
 @pytest.mark.parametrize("setup", BACKENDS)
-def test_qllama_f32_matches_transformers(
-    built: C.Built, reference: np.ndarray, setup: str
-) -> None:
+def test_qllama_f32_matches_transformers(built: C.Built, reference: np.ndarray, setup: str) -> None:
     backend = setup.split("-")[0]
     pytest.importorskip(backend)
     m = qllama.load(built.gguf, backend=backend, **BACKENDS[setup])
