@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 
 from qllama import quants
+from qllama.architectures import Tensor
 from qllama.backends import get_backend
 from qllama.backends.base import Backend, QuantTensor
-from qllama.architectures import Tensor
 from qllama.config import ModelConfig
 from qllama.errors import ModelConfigError, TensorShapeError, WeightValueError
 from qllama.gguf_reader import GGUFFile, TensorInfo, read_gguf

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from qllama import generation
-from qllama.array_api import to_numpy
 from qllama.architectures import Activation, QKNorm, Rope, RopeLayout
+from qllama.array_api import to_numpy
 from qllama.backends.base import Backend
 from qllama.config import ModelConfig
 from qllama.errors import (

@@ -306,9 +306,9 @@ def convert(hf: Path, out: Path) -> None:
     """llama.cpp's converter, F32, with its own gguf-py first on the path."""
     src = llama_cpp_source()
     env = {**os.environ, "PYTHONPATH": str(src / "gguf-py"), "NO_LOCAL_GGUF": ""}
+    script = str(src / "convert_hf_to_gguf.py")
     proc = subprocess.run(
-        [sys.executable, str(src / "convert_hf_to_gguf.py"), str(hf), "--outfile", str(out)]
-        + ["--outtype", "f32"],
+        [sys.executable, script, str(hf), "--outfile", str(out), "--outtype", "f32"],
         capture_output=True,
         text=True,
         env=env,

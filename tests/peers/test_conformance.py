@@ -19,13 +19,13 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import conformance as C  # noqa: E402
-from bounds import forward_bound, q8_flip_bound  # noqa: E402
+import conformance as C
+from bounds import forward_bound, q8_flip_bound
 
-import qllama  # noqa: E402
-from qllama.array_api import to_numpy  # noqa: E402
-from qllama.file_quantizer import quantize_file  # noqa: E402
-from qllama.generation import Sampler, generate_ids  # noqa: E402
+import qllama
+from qllama.array_api import to_numpy
+from qllama.file_quantizer import quantize_file
+from qllama.generation import Sampler, generate_ids
 
 pytest.importorskip("llama_cpp")
 pytestmark = pytest.mark.peers

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import conformance as C  # noqa: E402
+import conformance as C
 
-from qllama.file_quantizer import FILE_TYPES, quantize_file  # noqa: E402
+from qllama.file_quantizer import FILE_TYPES, quantize_file
 
 llama_cpp = pytest.importorskip("llama_cpp")
 pytestmark = pytest.mark.peers
