@@ -154,21 +154,22 @@ class _Reader:
             raise ModelConfigError(f"key {self.p}.{key} is {v.value}, must be finite and {bound}")
         return float(v.value)
 
-    def text(self, key: str, default: str) -> str:
+    def typed(self, key: str, vtype: ValueType, default: Any) -> Any:
+        """A string or bool key: ``default`` if absent, an error naming it if mistyped."""
         v = self.value(key)
         if v is None:
             return default
-        if v.type != ValueType.STRING:
-            raise ModelConfigError(f"key {self.p}.{key} has type {v.type.name}, expected a string")
-        return str(v.value)
+        if v.type != vtype:
+            raise ModelConfigError(
+                f"key {self.p}.{key} has type {v.type.name}, expected {vtype.name.lower()}"
+            )
+        return v.value
+
+    def text(self, key: str, default: str) -> str:
+        return str(self.typed(key, ValueType.STRING, default))
 
     def flag(self, key: str, default: bool) -> bool:
-        v = self.value(key)
-        if v is None:
-            return default
-        if v.type != ValueType.BOOL:
-            raise ModelConfigError(f"key {self.p}.{key} has type {v.type.name}, expected a bool")
-        return bool(v.value)
+        return bool(self.typed(key, ValueType.BOOL, default))
 
     def refuse_unsupported(self) -> None:
         """Keys of features qllama does not compute: an error naming the key."""
