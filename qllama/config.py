@@ -215,9 +215,10 @@ class _Reader:
                 f"{p}.attention.key_length {k_len} x head_count {n_head} != embedding_length "
                 f"{n_embd}: llama.cpp's {p} sizes the query projection as n_embd"
             )
+        for dim in (k_len, self.integer("rope.dimension_count", 1, MAX_WIDTH, default=k_len)):
+            if dim % 2:
+                raise ModelConfigError(f"head dimension {dim} is odd; RoPE rotates pairs")
         n_rot = self.integer("rope.dimension_count", 1, k_len, default=k_len)
-        if n_rot % 2:
-            raise ModelConfigError(f"head dimension {n_rot} is odd; RoPE rotates pairs")
         if n_rot != k_len and not a.partial_rotary:
             raise ModelConfigError(
                 f"{p}.rope.dimension_count {n_rot} != head dimension {k_len} "
