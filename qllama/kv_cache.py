@@ -29,7 +29,8 @@ def capacity_for(n: int) -> int:
 
 
 class KVCache:
-    """Per-layer keys and values, ``(capacity, n_head_kv, head_dim)`` each."""
+    """Per-layer keys ``(capacity, n_head_kv, head_dim)`` and values ``(capacity, n_head_kv,
+    head_dim_v)`` (``head_dim_v`` defaults to ``head_dim``)."""
 
     def __init__(
         self,
@@ -40,6 +41,7 @@ class KVCache:
         *,
         device: Any = None,
         precision: str = "f32",
+        head_dim_v: int | None = None,
     ) -> None:
         if precision not in PRECISIONS:
             raise BackendError(f"KV cache precision must be one of {PRECISIONS}, not {precision!r}")
@@ -50,6 +52,7 @@ class KVCache:
             )
         self.xp, self.device, self.precision, self._half = xp, device, precision, half
         self.row_shape = (n_head_kv, head_dim)
+        self.v_row_shape = (n_head_kv, head_dim if head_dim_v is None else head_dim_v)
         self.k: list[Any] = [None] * n_layer
         self.v: list[Any] = [None] * n_layer
         self.capacity = 0
@@ -68,10 +71,11 @@ class KVCache:
         need = capacity_for(n)
         if need <= self.capacity:
             return
-        xp, grow = self.xp, (need - self.capacity, *self.row_shape)
-        pad = xp.zeros(grow, dtype=xp.float32, device=self.device)
+        xp, rows = self.xp, need - self.capacity
+        pad = xp.zeros((rows, *self.row_shape), dtype=xp.float32, device=self.device)
+        pad_v = xp.zeros((rows, *self.v_row_shape), dtype=xp.float32, device=self.device)
         self.k = [pad if k is None else xp.concat([k, pad], axis=0) for k in self.k]
-        self.v = [pad if v is None else xp.concat([v, pad], axis=0) for v in self.v]
+        self.v = [pad_v if v is None else xp.concat([v, pad_v], axis=0) for v in self.v]
         self.capacity = need
         self.slots = xp.arange(need, dtype=xp.int32, device=self.device)  # (capacity,)
 
@@ -82,8 +86,8 @@ class KVCache:
         return self.xp.astype(self.xp.astype(x, self._half), self.xp.float32)
 
     def update(self, layer: int, pos: int, k: Any, v: Any) -> tuple[Any, Any]:
-        """Write this step's ``(T, n_head_kv, head_dim)`` keys and values at ``pos``; return
-        the whole cache ``(capacity, n_head_kv, head_dim)`` of the layer."""
+        """Write this step's ``(T, n_head_kv, head_dim)`` keys and ``(T, n_head_kv,
+        head_dim_v)`` values at ``pos``; return the layer's whole cache (capacity rows)."""
         xp, T = self.xp, k.shape[0]
         fresh = (self.slots >= pos) & (self.slots < pos + T)  # (capacity,)
         src = xp.clip(self.slots - pos, 0, T - 1)  # row of k feeding each slot
