@@ -13,7 +13,7 @@ unpermuted weights (ggml_semantics §3.4; transformers undoes the permutation at
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -155,8 +155,19 @@ class Llama:
         self.chat_template: Any = None
         self.source: Any = None  # the GGUFFile the weights are views of
 
-    def forward(self, ids: Sequence[int] | Any, pos: int = 0, *, all_logits: bool = False) -> Any:
-        """Logits of the last position (vocab,), or of every position (T, vocab)."""
+    def forward(
+        self,
+        ids: Sequence[int] | Any,
+        pos: int = 0,
+        *,
+        all_logits: bool = False,
+        observer: Callable[[str, Any], object] | None = None,
+    ) -> Any:
+        """Logits of the last position (vocab,), or of every position (T, vocab).
+
+        ``observer(name, value)``, if given, sees the intermediate values named in
+        :mod:`qllama.observe` as they are computed; without one nothing extra is done.
+        """
         xp, c, w = self.xp, self.config, self.weights
         tokens = self._tokens(ids, pos)
         T = tokens.shape[0]
@@ -172,10 +183,18 @@ class Llama:
         zero = xp.zeros_like(cols, dtype=xp.float32)
         mask = xp.where(cols > where[:, None], -float("inf"), zero)  # (T, S)
         x = self.backend.embedding(tokens, w.token_embd)  # (T, n_embd)
+        if observer is not None:
+            observer("embedding", x)
         for i, layer in enumerate(w.layers):
             h = rms_norm(x, layer.attn_norm, c.eps, xp=xp)
-            x = x + self._attention(h, layer, i, pos, cos, sin, mask)
-            x = x + self._mlp(rms_norm(x, layer.ffn_norm, c.eps, xp=xp), layer)
+            attn = self._attention(h, layer, i, pos, cos, sin, mask, observer)
+            x = x + attn
+            mlp = self._mlp(rms_norm(x, layer.ffn_norm, c.eps, xp=xp), layer)
+            x = x + mlp
+            if observer is not None:
+                observer(f"blk.{i}.attn_out", attn)
+                observer(f"blk.{i}.ffn_out", mlp)
+                observer(f"blk.{i}.out", x)
             if self.trace_nonfinite:
                 self._check_finite(x, f"the output of layer {i}", pos)
         self.cache.length = pos + T
@@ -225,13 +244,25 @@ class Llama:
         return generation.stream(self, prompt, **options)
 
     def _attention(
-        self, x: Any, layer: LayerWeights, i: int, pos: int, cos: Any, sin: Any, mask: Any
+        self,
+        x: Any,
+        layer: LayerWeights,
+        i: int,
+        pos: int,
+        cos: Any,
+        sin: Any,
+        mask: Any,
+        observer: Callable[[str, Any], object] | None = None,
     ) -> Any:
         xp, c, mm = self.xp, self.config, self.backend.matmul
         T, hd, n_kv, n_rep = x.shape[0], c.head_dim, c.n_head_kv, c.n_rep
         q = xp.reshape(mm(x, layer.attn_q), (T, c.n_head, hd))  # (T, n_head, hd)
         k = xp.reshape(mm(x, layer.attn_k), (T, n_kv, hd))  # (T, n_kv, hd)
         v = xp.reshape(mm(x, layer.attn_v), (T, n_kv, hd))  # (T, n_kv, hd)
+        if observer is not None:  # before RoPE; Q and K rows in the file's (GGUF) order
+            observer(f"blk.{i}.q", q)
+            observer(f"blk.{i}.k", k)
+            observer(f"blk.{i}.v", v)
         q, k = rope(q, cos, sin, xp=xp), rope(k, cos, sin, xp=xp)
         k, v = self.cache.update(i, pos, k, v)  # (S, n_kv, hd), S = cache capacity
         # query head h reads kv head h // n_rep: group the query heads by their kv head
