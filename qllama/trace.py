@@ -35,6 +35,7 @@ from qllama.observe import (
     block_name,
     record,
     residual_names,
+    resolve_positions,
 )
 
 DEFAULT_SETTINGS = ("cpu", "gpu", "dequantize-all")
@@ -297,6 +298,10 @@ def layer_trace(
         if progress is not None:
             progress("reference: transformers")
         reference = transformers_trace(reference_path, tokens, positions=positions, qkv=qkv)
+    if reference.tokens != list(tokens):
+        raise QllamaError("the reference trace is of other tokens")
+    if positions is not None and resolve_positions(positions, len(tokens)) != reference.positions:
+        raise QllamaError("the reference trace is of other positions")
     if qkv and not any(n.endswith(".q") for n in reference):
         raise QllamaError("the reference trace was recorded without Q/K/V")
     if LOGITS not in reference.values:
