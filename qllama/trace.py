@@ -184,8 +184,10 @@ class TraceReport:
     def plot(self, path: str | os.PathLike[str]) -> None:
         """Relative L2 error of the residual stream against layer, one line per setting, the
         F32 controls dashed (a PNG, written atomically)."""
-        import matplotlib
-
+        try:
+            import matplotlib
+        except ImportError:
+            raise QllamaError("plotting needs matplotlib: pip install 'qllama[plot]'") from None
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
