@@ -6,15 +6,15 @@ pattern that matches a tensor's name wins (:mod:`fnmatch` patterns: ``*`` also m
 every 2-D weight must be matched, and every pattern must match one (a typo is an error, not
 a silent no-op). A plain string (``arithmetic="f32"``) is the policy ``{"*": ...}``.
 
-============  ======================================================================
-arithmetic    what a matmul with the tensor computes
-============  ======================================================================
-``q8``        activations quantized per row to the weight's ``vec_dot_type``, integer block
-              dot products (the CPU arithmetic, llama.cpp's)
-``f32``       float32 activations times the weight dequantized inside the matmul (the GPU
-              arithmetic)
+===============  ===================================================================
+arithmetic       what a matmul with the tensor computes
+===============  ===================================================================
+``q8``           activations quantized per row to the weight's ``vec_dot_type``, integer
+                 block dot products (the CPU arithmetic, llama.cpp's)
+``f32``          float32 activations times the weight dequantized inside the matmul (the
+                 GPU arithmetic)
 ``dequantized``  float32 activations times float32 weights widened once, at load
-============  ======================================================================
+===============  ===================================================================
 
 The backend protocol does not change: each arithmetic is one ordinary backend built with the
 options of :data:`ROUTES`, and :class:`PolicyBackend` hands each tensor at ``prepare`` to the

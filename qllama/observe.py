@@ -3,15 +3,16 @@
 ``model.forward(ids, observer=f)`` calls ``f(name, value)`` at these points (``i`` is the
 block; every value has one row per token of the call):
 
-==================  ====================================================================
-``embedding``       the rows of ``token_embd``: the residual stream entering block 0
-``blk.{i}.q``       ``x @ attn_q``, before RoPE, ``(T, n_head, head_dim)``; Q and K rows in
-``blk.{i}.k``       the file's order (GGUF permutes them for its RoPE convention)
-``blk.{i}.v``       ``(T, n_head_kv, head_dim)``
+====================  ================================================================
+``embedding``         the rows of ``token_embd``: the residual stream entering block 0
+``blk.{i}.q``         ``x @ attn_q`` before RoPE, ``(T, n_head, head_dim)``, in the file's row
+                      order (GGUF permutes Q's and K's rows for its RoPE convention)
+``blk.{i}.k``         ``x @ attn_k`` before RoPE, ``(T, n_head_kv, head_dim)``, likewise
+``blk.{i}.v``         ``x @ attn_v``, ``(T, n_head_kv, head_dim)``
 ``blk.{i}.attn_out``  the attention block's output (after ``attn_output``), before the residual
 ``blk.{i}.ffn_out``   the MLP's output (after ``ffn_down``), before the residual
-``blk.{i}.out``     the residual stream after block ``i``
-==================  ====================================================================
+``blk.{i}.out``       the residual stream after block ``i``
+====================  ================================================================
 
 Without an observer the forward pass does no extra work. A :class:`Recorder` keeps the points
 it is asked for (Q/K/V only on request: they are the bulk), at chosen positions, as float32

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -36,6 +36,7 @@ from qllama.observe import (
     record,
     residual_names,
     resolve_positions,
+    split_name,
 )
 
 DEFAULT_SETTINGS = ("cpu", "gpu", "dequantize-all")
@@ -116,10 +117,11 @@ class SettingTrace:
             "backend": s.backend if s else None,
             "arithmetic": s.arithmetic if s else None,
             "leaves_band": self.leaves_band,
+            "residual": self.residual,
             "band_factor": self.band_factor,
             "band_edge": {n: self.band_edge(n) for n in self.residual},
-            "errors": {n: vars(e) for n, e in self.errors.items()},
-            "control": {n: vars(e) for n, e in self.control.items()},
+            "errors": {n: asdict(e) for n, e in self.errors.items()},
+            "control": {n: asdict(e) for n, e in self.control.items()},
         }
 
 
@@ -162,15 +164,13 @@ class TraceReport:
             ]
             for n in st.residual:
                 e, c = st.errors[n], st.control[n]
-                layer = n.split(".")[1] if n.startswith("blk.") else n
+                i = split_name(n)[0]
                 mark = "*" if st.outside(n) else " "
-                blocks = [
-                    st.errors.get(block_name(int(layer), p)) if layer.isdigit() else None
-                    for p in extra
-                ]
+                blocks = [None if i is None else st.errors.get(block_name(i, p)) for p in extra]
+                label = n if i is None else str(i)
                 text = (
-                    f"  {layer:<10} {e.rel_l2:>9.3g}{mark}{1 - e.cos:>9.2e} {e.max_abs:>9.3g} "
-                    f"{c.rel_l2:>9.2e}  "
+                    f"  {label:<10} {e.rel_l2:>9.3g}{mark}{1 - e.cos:>9.2e} "
+                    f"{e.max_abs:>9.3g} {c.rel_l2:>9.2e}  "
                     + " ".join(f"{b.rel_l2:>11.3g}" if b else f"{'':>11}" for b in blocks)
                 )
                 lines.append(text.rstrip())
