@@ -47,21 +47,28 @@ Progress = Callable[[str], Any]  # a message per step
 
 @dataclass(frozen=True)
 class PointErrors:
-    """How far a value is from the reference's, over the chosen positions."""
+    """How far a value ``(positions, width)`` is from the reference's, over all positions."""
 
     rel_l2: float  # |a - r| / |r| (Frobenius)
     cos: float  # <a, r> / (|a| |r|)
     max_abs: float  # max |a - r|
+    # the median over positions of each one's |a - r| / |r|: one position with a huge norm
+    # (an attention sink's massive activation) can dominate the three above
+    median_rel_l2: float
 
     @classmethod
     def of(cls, a: np.ndarray, r: np.ndarray) -> PointErrors:
-        a64, r64 = np.asarray(a, np.float64).ravel(), np.asarray(r, np.float64).ravel()
+        a64, r64 = np.asarray(a, np.float64), np.asarray(r, np.float64)
+        a64, r64 = a64.reshape(a64.shape[0], -1), r64.reshape(r64.shape[0], -1)  # (P, width)
         d = a64 - r64
-        nr, na = float(np.linalg.norm(r64)), float(np.linalg.norm(a64))
+        nr, na, nd = (float(np.linalg.norm(x)) for x in (r64, a64, d))
+        per_d, per_r = np.linalg.norm(d, axis=1), np.linalg.norm(r64, axis=1)
+        per = np.divide(per_d, per_r, out=per_d.copy(), where=per_r > 0)
         return cls(
-            rel_l2=float(np.linalg.norm(d)) / nr if nr > 0 else float(np.linalg.norm(d)),
-            cos=float(a64 @ r64) / (na * nr) if na > 0 and nr > 0 else float(na == nr),
+            rel_l2=nd / nr if nr > 0 else nd,
+            cos=float(np.vdot(a64, r64)) / (na * nr) if na > 0 and nr > 0 else float(na == nr),
             max_abs=float(np.abs(d).max()) if d.size else 0.0,
+            median_rel_l2=float(np.median(per)) if per.size else 0.0,
         )
 
 
@@ -159,8 +166,8 @@ class TraceReport:
             lines += [
                 f"{st.setting}: leaves the F32 control's band ({st.band_factor:g}x its error) "
                 f"at {where}",
-                f"  {'layer':<10} {'rel L2':>9} {'1-cos':>9} {'max|Δ|':>9} {'control':>9}  "
-                + " ".join(f"{p + ' L2':>11}" for p in extra),
+                f"  {'layer':<10} {'rel L2':>9} {'1-cos':>9} {'max|Δ|':>9} {'med pos':>9} "
+                f"{'control':>9}  " + " ".join(f"{p + ' L2':>11}" for p in extra),
             ]
             for n in st.residual:
                 e, c = st.errors[n], st.control[n]
@@ -170,14 +177,15 @@ class TraceReport:
                 label = n if i is None else str(i)
                 text = (
                     f"  {label:<10} {e.rel_l2:>9.3g}{mark}{1 - e.cos:>9.2e} "
-                    f"{e.max_abs:>9.3g} {c.rel_l2:>9.2e}  "
+                    f"{e.max_abs:>9.3g} {e.median_rel_l2:>9.3g} {c.rel_l2:>9.2e}  "
                     + " ".join(f"{b.rel_l2:>11.3g}" if b else f"{'':>11}" for b in blocks)
                 )
                 lines.append(text.rstrip())
             lines.append("")
         lines.append(
-            "rel L2 = |Δ| / |reference| over the positions; * outside the F32 control's band; "
-            "control: the reference's F32 file under the same setting"
+            "rel L2 = |Δ| / |reference| over all positions (* outside the F32 control's band); "
+            "med pos: the median over positions of each one's rel L2; control: the reference's "
+            "F32 file under the same setting, rel L2"
         )
         return "\n".join(lines)
 
@@ -197,15 +205,17 @@ class TraceReport:
         for k, st in enumerate(self.settings.values()):
             color = f"C{k}"
             x = np.arange(len(st.residual))
-            ax.plot(x, st.curve(), color=color, marker=".", label=st.setting)
-            floor = [max(v, BAND_FLOOR) for v in st.curve(control=True)]
-            ax.plot(x, floor, color=color, ls="--", lw=0.8, label=f"{st.setting}: F32 control")
+            # exact values (0) sit on the floor of one float32 rounding: a log axis has no 0
+            ours = np.maximum(st.curve(), BAND_FLOOR)
+            control = np.maximum(st.curve(control=True), BAND_FLOOR)
+            ax.plot(x, ours, color=color, marker=".", label=st.setting)
+            ax.plot(x, control, color=color, ls="--", lw=0.8, label=f"{st.setting}: F32 control")
         first = next(iter(self.settings.values()))
         labels = ["emb", *(str(i) for i in range(len(first.residual) - 2)), "logits"]
         ax.set_xticks(np.arange(len(labels)), labels, fontsize=7)
         ax.set_yscale("log")
         ax.set_xlabel("residual stream after layer")
-        ax.set_ylabel("relative L2 error vs reference")
+        ax.set_ylabel("relative L2 error vs reference (floor 2^-24)")
         ax.set_title(f"{os.path.basename(self.file)}: {len(self.positions)} positions")
         ax.legend(fontsize=7, ncol=2)
         ax.grid(True, which="both", alpha=0.3)

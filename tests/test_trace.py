@@ -37,21 +37,26 @@ def test_point_errors():
     e = PointErrors.of(np.array([[3.0, 4.5]]), r)
     assert e.rel_l2 == pytest.approx(0.1) and e.max_abs == pytest.approx(0.5)
     assert e.cos == pytest.approx((9 + 18) / (5 * np.hypot(3, 4.5)))
-    assert PointErrors.of(r, r) == PointErrors(0.0, 1.0, 0.0)
+    assert e.median_rel_l2 == pytest.approx(0.1)
+    assert PointErrors.of(r, r) == PointErrors(0.0, 1.0, 0.0, 0.0)
+    # one position with a huge norm dominates the whole, not the median over positions
+    big = np.array([[300.0, 400.0], [1.0, 0.0], [0.0, 1.0]])
+    e = PointErrors.of(big + np.array([[0.5, 0], [0.1, 0], [0, 0.1]]), big)
+    assert e.rel_l2 < 0.01 and e.median_rel_l2 == pytest.approx(0.1)
 
 
 def test_band_logic():
     names = residual_names(2)  # embedding, blk.0.out, blk.1.out, logits
 
     def errors(*rel_l2: float) -> dict[str, PointErrors]:
-        return {n: PointErrors(e, 1, 0) for n, e in zip(names, rel_l2, strict=True)}
+        return {n: PointErrors(e, 1, 0, e) for n, e in zip(names, rel_l2, strict=True)}
 
     control = errors(0, 1e-6, 2e-6, 2e-6)
     within = errors(5e-7, 9e-6, 1.9e-5, 1e-5)
     st = SettingTrace("cpu", within, control, names, band_factor=10)
     assert st.band_edge("embedding") == 10 * BAND_FLOOR  # the control is exact there
     assert st.leaves_band is None
-    later = {**within, "blk.1.out": PointErrors(2.1e-5, 1, 0)}
+    later = {**within, "blk.1.out": PointErrors(2.1e-5, 1, 0, 2.1e-5)}
     assert SettingTrace("cpu", later, control, names, band_factor=10).leaves_band == "blk.1.out"
 
 
@@ -101,7 +106,7 @@ def test_report_outputs(tiny_variants, reference, tmp_path):
     doc = json.loads(json.dumps(report.to_dict()))  # plain numbers only
     cpu = doc["settings"]["cpu"]
     assert cpu["leaves_band"] == "embedding" and cpu["arithmetic"] == "q8"
-    assert set(cpu["errors"]["blk.1.q"]) == {"rel_l2", "cos", "max_abs"}
+    assert set(cpu["errors"]["blk.1.q"]) == {"rel_l2", "cos", "max_abs", "median_rel_l2"}
     text = report.format()
     assert "cpu: leaves the F32 control's band (10x its error) at embedding" in text
     assert "q L2" in text and "logits" in text
