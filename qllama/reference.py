@@ -96,6 +96,41 @@ def gguf_row_order(x: np.ndarray, n_head: int) -> np.ndarray:
     return x.reshape(T, n_head, 2, half).swapaxes(2, 3).reshape(T, width)  # (T, width)
 
 
+def qkv_row_order(path: str | os.PathLike[str], model: Any) -> dict[str, int | None]:
+    """For Q, K and V: the head count to permute transformers' outputs with
+    (:func:`gguf_row_order`), or None where the file keeps transformers' row order.
+
+    The converter permutes Q and K for llama-style RoPE only, so this is read off the weights:
+    layer 0's projections in transformers against the file's, equal as they are or permuted.
+    """
+    cfg = model.config
+    attn = model.model.layers[0].self_attn
+    heads = {"q": cfg.num_attention_heads, "k": cfg.num_key_value_heads, "v": None}
+    order: dict[str, int | None] = {}
+    with read_gguf(path) as f:
+        for point, n_head in heads.items():
+            proj = getattr(attn, f"{point}_proj", None)
+            name = f"blk.0.attn_{point}.weight"
+            if proj is None or name not in f.tensors:
+                raise ReferenceError(
+                    f"transformers' attention has no {point}_proj or the file no {name} "
+                    "(fused Q/K/V): Q, K and V cannot be traced one by one"
+                )
+            t = f.tensors[name]
+            ours = quants.dequantize(f.tensor_data(name), t.ggml_type, t.shape)
+            theirs = proj.weight.detach().float().numpy()  # (width, n_embd)
+            if np.array_equal(theirs, ours):
+                order[point] = None
+            elif n_head is not None and np.array_equal(gguf_row_order(theirs.T, n_head).T, ours):
+                order[point] = n_head
+            else:
+                raise ReferenceError(
+                    f"transformers' {point}_proj of layer 0 is not the file's {name} in either "
+                    "row order"
+                )
+    return order
+
+
 def transformers_trace(
     path: str | os.PathLike[str],
     tokens: Sequence[int],
@@ -110,8 +145,9 @@ def transformers_trace(
     The residual stream comes from ``output_hidden_states`` (the embedding, then each block's
     output; transformers' last entry is after the final norm, so the last block's output comes
     from its hook instead); attention and MLP outputs and Q/K/V from forward hooks on the
-    sub-modules. Where a hook and ``hidden_states`` see the same value they must agree exactly,
-    which checks that the hooks sit where the names say.
+    sub-modules, Q and K put in the file's row order (:func:`qkv_row_order`). Where a hook and
+    ``hidden_states`` see the same value they must agree exactly, which checks that the hooks
+    sit where the names say.
     """
     import torch
 
@@ -120,8 +156,7 @@ def transformers_trace(
     model = model if model is not None else load_transformers(path)
     rows = resolve_positions(positions, len(tokens))
     rec = Recorder(rows, qkv=qkv)
-    cfg = model.config
-    heads = {"q": cfg.num_attention_heads, "k": cfg.num_key_value_heads, "v": None}
+    heads = qkv_row_order(path, model) if qkv else {}
     layers = model.model.layers
     hooked: dict[str, Any] = {}
 
