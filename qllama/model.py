@@ -256,13 +256,14 @@ class Llama:
     ) -> Any:
         xp, c, mm = self.xp, self.config, self.backend.matmul
         T, hd, n_kv, n_rep = x.shape[0], c.head_dim, c.n_head_kv, c.n_rep
-        q = xp.reshape(mm(x, layer.attn_q), (T, c.n_head, hd))  # (T, n_head, hd)
-        k = xp.reshape(mm(x, layer.attn_k), (T, n_kv, hd))  # (T, n_kv, hd)
-        v = xp.reshape(mm(x, layer.attn_v), (T, n_kv, hd))  # (T, n_kv, hd)
+        q, k, v = mm(x, layer.attn_q), mm(x, layer.attn_k), mm(x, layer.attn_v)
         if observer is not None:  # before RoPE; Q and K rows in the file's (GGUF) order
             observer(f"blk.{i}.q", q)
             observer(f"blk.{i}.k", k)
             observer(f"blk.{i}.v", v)
+        q = xp.reshape(q, (T, c.n_head, hd))  # (T, n_head, hd)
+        k = xp.reshape(k, (T, n_kv, hd))  # (T, n_kv, hd)
+        v = xp.reshape(v, (T, n_kv, hd))  # (T, n_kv, hd)
         q, k = rope(q, cos, sin, xp=xp), rope(k, cos, sin, xp=xp)
         k, v = self.cache.update(i, pos, k, v)  # (S, n_kv, hd), S = cache capacity
         # query head h reads kv head h // n_rep: group the query heads by their kv head

@@ -5,10 +5,10 @@ block; every value has one row per token of the call):
 
 ====================  ================================================================
 ``embedding``         the rows of ``token_embd``: the residual stream entering block 0
-``blk.{i}.q``         ``x @ attn_q`` before RoPE, ``(T, n_head, head_dim)``, in the file's row
+``blk.{i}.q``         ``x @ attn_q`` before RoPE, ``(T, n_head * head_dim)``, in the file's row
                       order (GGUF permutes Q's and K's rows for its RoPE convention)
-``blk.{i}.k``         ``x @ attn_k`` before RoPE, ``(T, n_head_kv, head_dim)``, likewise
-``blk.{i}.v``         ``x @ attn_v``, ``(T, n_head_kv, head_dim)``
+``blk.{i}.k``         ``x @ attn_k`` before RoPE, ``(T, n_head_kv * head_dim)``, likewise
+``blk.{i}.v``         ``x @ attn_v``, ``(T, n_head_kv * head_dim)``
 ``blk.{i}.attn_out``  the attention block's output (after ``attn_output``), before the residual
 ``blk.{i}.ffn_out``   the MLP's output (after ``ffn_down``), before the residual
 ``blk.{i}.out``       the residual stream after block ``i``
@@ -62,7 +62,7 @@ def residual_names(n_layer: int) -> list[str]:
 class Trace:
     """Values at named points for the tokens ``tokens``, kept at ``positions``.
 
-    ``values[name]`` is ``(len(positions), width)`` float32 (Q/K/V flattened per token).
+    ``values[name]`` is ``(len(positions), width)`` float32.
     """
 
     tokens: list[int]

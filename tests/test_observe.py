@@ -63,8 +63,9 @@ def test_every_point_is_observed_in_order_and_changes_nothing(tiny_variants, set
     assert [n for n, _ in log.seen] == expected_names(c.n_layer)
     shapes = dict(log.seen)
     assert shapes["embedding"].shape == (len(IDS), c.n_embd)
-    assert shapes["blk.0.q"].shape == (len(IDS), c.n_head, c.head_dim)
-    assert shapes["blk.0.k"].shape == shapes["blk.0.v"].shape == (len(IDS), c.n_head_kv, c.head_dim)
+    assert shapes["blk.0.q"].shape == (len(IDS), c.n_head * c.head_dim)
+    kv = (len(IDS), c.n_head_kv * c.head_dim)
+    assert shapes["blk.0.k"].shape == shapes["blk.0.v"].shape == kv
     for p in ("attn_out", "ffn_out", "out"):
         assert shapes[f"blk.1.{p}"].shape == (len(IDS), c.n_embd)
 
