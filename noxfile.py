@@ -25,7 +25,7 @@ def tests(session: nox.Session) -> None:
     sys.path, so the tests exercise what `pip install .` gives.
     """
     session.install(TORCH, *REFERENCE)
-    session.install(".[dev,torch,jax,reference,fast]")
+    session.install(".[dev,torch,jax,reference,fast,plot]")  # plot: the trace's figure
     args = session.posargs or ["-m", "not slow"]
     session.run("pytest", *args)
 

@@ -261,6 +261,129 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- trace and attribute --------------------------------------------------------------------
+
+
+def _prompt_ids(path: str, prompt: str, chat: bool) -> tuple[list[int], list[int]]:
+    """The prompt's ids with the file's tokenizer (and chat template), and its stop ids."""
+    from qllama.loader import load
+
+    model = load(path, check_weights=False)
+    if chat:
+        ids = model.apply_chat_template([{"role": "user", "content": prompt}])
+    else:
+        ids = model.tokenizer.encode(prompt)
+    stops = sorted(model.tokenizer.stop_ids)
+    model.source.close()
+    return list(ids), stops
+
+
+def _transformers_tokens(
+    ref_path: str, prompt: list[int], stops: list[int], new_tokens: int
+) -> tuple[Any, list[int]]:
+    """transformers on the reference file, and the prompt with its greedy continuation."""
+    from qllama.reference import load_transformers, transformers_reference
+
+    hf = load_transformers(ref_path)
+    if new_tokens <= 0:
+        return hf, prompt
+    ref = transformers_reference(
+        ref_path, prompt, max_new_tokens=new_tokens, stop_ids=stops, model=hf
+    )
+    return hf, ref.tokens
+
+
+def _progress_bar(desc: str) -> Any:
+    """A (done, total, label) callback drawing a tqdm bar on stderr."""
+    from tqdm import tqdm
+
+    bar: list[Any] = []
+
+    def progress(done: int, total: int, label: str) -> None:
+        if not bar:
+            bar.append(tqdm(total=total, desc=desc, unit="pass", file=sys.stderr))
+        bar[0].n = done
+        bar[0].set_postfix_str(label, refresh=True)
+        if done >= total:
+            bar[0].close()
+
+    return progress
+
+
+def _write_json(path: str, doc: dict[str, Any]) -> None:
+    from qllama.atomic import atomic_write
+
+    with atomic_write(path, "w") as f:
+        json.dump(doc, f, indent=1)
+    print(f"wrote {path}")
+
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    from qllama.reference import transformers_trace
+    from qllama.trace import layer_trace, positions_from_text
+
+    prompt, stops = _prompt_ids(args.file, args.prompt, args.chat)
+    print(f"reference: transformers on {args.reference} ...", file=sys.stderr, flush=True)
+    hf, tokens = _transformers_tokens(args.reference, prompt, stops, args.max_new_tokens)
+    positions = positions_from_text(args.positions, len(tokens), len(prompt))
+    ref = transformers_trace(args.reference, tokens, positions=positions, qkv=args.qkv, model=hf)
+    report = layer_trace(
+        args.file,
+        args.reference,
+        tokens,
+        settings=args.setting or ("cpu", "gpu", "dequantize-all"),
+        qkv=args.qkv,
+        band_factor=args.band_factor,
+        reference=ref,
+        progress=lambda what: print(f"  {what} ...", file=sys.stderr, flush=True),
+    )
+    print(
+        f"{args.file} against transformers on {args.reference}: {len(tokens)} tokens "
+        f"({len(prompt)} prompt), {len(ref.positions)} positions compared\n"
+    )
+    print(report.format())
+    if args.plot:
+        report.plot(args.plot)
+        print(f"wrote {args.plot}")
+    if args.json:
+        _write_json(args.json, {"tokens": tokens, **report.to_dict()})
+    return 0
+
+
+def cmd_attribute(args: argparse.Namespace) -> int:
+    from qllama.attribution import attribute
+    from qllama.compare import Reference
+
+    if args.reference.endswith(".npz"):
+        ref = Reference.load(args.reference)
+        f32 = args.f32
+    else:
+        if args.prompt is None:
+            raise QllamaError("a GGUF reference needs --prompt (an .npz reference has its tokens)")
+        prompt, stops = _prompt_ids(args.file, args.prompt, args.chat)
+        from qllama.reference import transformers_reference
+
+        print(f"reference: transformers on {args.reference} ...", file=sys.stderr, flush=True)
+        ref = transformers_reference(
+            args.reference, prompt, max_new_tokens=args.max_new_tokens, stop_ids=stops
+        )
+        f32 = args.f32 or args.reference
+    result = attribute(
+        args.file,
+        ref,
+        kind=args.kind,
+        by=args.by,
+        f32_path=f32,
+        arithmetic=args.arithmetic,
+        backend=args.backend or "numpy",
+        progress=_progress_bar(f"attribute by {args.by}"),
+    )
+    print(result.format())
+    if args.json:
+        _write_json(args.json, result.to_dict())
+    return 0
+
+
 # --- entry point ------------------------------------------------------------------------------
 
 
@@ -317,6 +440,58 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_backend_args(s)
     s.set_defaults(run=cmd_compare)
+
+    s = sub.add_parser("trace", help="per-layer error against transformers, per setting")
+    s.add_argument("file")
+    s.add_argument("--reference", required=True, help="the F32 GGUF (transformers reads it)")
+    s.add_argument("--prompt", required=True)
+    s.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    s.add_argument(
+        "--max-new-tokens", type=int, default=0, help="append the reference's greedy tokens"
+    )
+    s.add_argument(
+        "--positions",
+        default="all",
+        help="all (default), last, prompt, new, or positions and a:b ranges (0,5,-1 or 10:20)",
+    )
+    s.add_argument(
+        "--setting",
+        action="append",
+        help="cpu | gpu | dequantize-all | f32 (repeatable; default cpu, gpu, dequantize-all)",
+    )
+    s.add_argument("--qkv", action="store_true", help="also compare Q, K and V")
+    s.add_argument(
+        "--band-factor", type=float, default=10.0, help="the F32 control's band (x its error)"
+    )
+    s.add_argument("--plot", help="write the error-against-layer plot here (PNG)")
+    s.add_argument("--json", help="write every number here")
+    s.set_defaults(run=cmd_trace)
+
+    s = sub.add_parser("attribute", help="attribute the error to tensor classes, layers, tensors")
+    s.add_argument("file")
+    s.add_argument(
+        "--reference", required=True, help="the F32 GGUF (transformers runs it), or a .npz"
+    )
+    s.add_argument("--by", choices=["class", "layer", "tensor"], default="class")
+    s.add_argument(
+        "--kind",
+        choices=["weights", "activations"],
+        default="weights",
+        help="the file's weights, or q8 activations, for one group at a time (default weights)",
+    )
+    s.add_argument("--prompt", help="the prompt (with a GGUF reference)")
+    s.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    s.add_argument("--max-new-tokens", type=int, default=128, help="reference length")
+    s.add_argument("--f32", help="the F32 file for --kind weights (default: a GGUF reference)")
+    s.add_argument(
+        "--arithmetic",
+        choices=["f32", "dequantized", "q8"],
+        default="f32",
+        help="where the cause is off (default f32)",
+    )
+    s.add_argument("--backend", help="numpy (default) | torch | jax")
+    s.add_argument("--json", help="write every number here")
+    s.set_defaults(run=cmd_attribute)
 
     s = sub.add_parser("generate", help="generate text, streamed to stdout")
     s.add_argument("file")

@@ -11,18 +11,21 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from qllama import quants
 from qllama.architectures import Tensor
+from qllama.arithmetic import policy_backend
 from qllama.backends import get_backend
 from qllama.backends.base import Backend, QuantTensor
 from qllama.config import ModelConfig
 from qllama.errors import ModelConfigError, TensorShapeError, WeightValueError
 from qllama.gguf_reader import GGUFFile, TensorInfo, read_gguf
 from qllama.model import LayerWeights, Llama, Weights
+from qllama.overlay import overlay
 
 FLOAT_1D_TYPES = ("F32", "F16", "BF16")  # norms, biases and rope_freqs are never quantized
 
@@ -109,6 +112,8 @@ def load(
     kv_precision: str = "f32",
     check_weights: bool = True,
     trace_nonfinite: bool = False,
+    arithmetic: Mapping[str, str] | str | None = None,
+    weights_from: Mapping[str, Any] | None = None,
     **backend_options: Any,
 ) -> Llama:
     """Load a GGUF file of any supported architecture on a backend.
@@ -120,9 +125,14 @@ def load(
     float weights at load; ``trace_nonfinite`` checks every layer's output in the forward pass
     and names the first that is NaN or infinite (slower). Extra keywords go to the backend
     (e.g. the numpy backend's ``activations="f32"`` or ``activation_rounding="simd"``).
+    ``arithmetic`` maps tensor-name patterns to an arithmetic per weight ("q8", "f32",
+    "dequantized"; :mod:`qllama.arithmetic`); ``weights_from`` maps patterns to other files
+    whose tensors replace the matching ones (:mod:`qllama.overlay`).
     """
     f = read_gguf(path)
     try:
+        if weights_from is not None:
+            f = overlay(f, weights_from)
         return _build(
             f,
             backend,
@@ -132,6 +142,7 @@ def load(
             kv_precision=kv_precision,
             check_weights=check_weights,
             trace_nonfinite=trace_nonfinite,
+            arithmetic=arithmetic,
             **backend_options,
         )
     except BaseException:
@@ -149,6 +160,7 @@ def _build(
     kv_precision: str,
     check_weights: bool,
     trace_nonfinite: bool,
+    arithmetic: Mapping[str, str] | str | None = None,
     **backend_options: Any,
 ) -> Llama:
     """:func:`load` on an open file: every check, then the backend, then the model."""
@@ -173,8 +185,18 @@ def _build(
             f"the vocabulary has {tokenizer.n_vocab} tokens but token_embd.weight has "
             f"{config.n_vocab} rows"
         )
-    if not isinstance(backend, str | None):
-        be: Backend = backend
+    if arithmetic is not None:  # a backend per arithmetic, each weight routed at prepare
+        weights_2d = [name for name, t in tensors.items() if len(t.shape) == 2]
+        be: Backend = policy_backend(
+            backend,
+            arithmetic,
+            weights_2d,
+            device=device,
+            dequantize_all=dequantize_all,
+            **backend_options,
+        )
+    elif not isinstance(backend, str | None):
+        be = backend
     else:
         be = get_backend(backend, device=device, dequantize_all=dequantize_all, **backend_options)
 

@@ -20,7 +20,7 @@ alone, and their files are rotated in halves.
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +38,9 @@ from qllama.errors import (
 )
 from qllama.generation import Generation
 from qllama.kv_cache import KVCache
+
+# sees the named intermediate values of a forward pass (qllama.observe): (name, value)
+Observer = Callable[[str, Any], object]
 
 
 @dataclass
@@ -227,8 +230,19 @@ class Llama:
         self.chat_template: Any = None
         self.source: Any = None  # the GGUFFile the weights are views of
 
-    def forward(self, ids: Sequence[int] | Any, pos: int = 0, *, all_logits: bool = False) -> Any:
-        """Logits of the last position (vocab,), or of every position (T, vocab)."""
+    def forward(
+        self,
+        ids: Sequence[int] | Any,
+        pos: int = 0,
+        *,
+        all_logits: bool = False,
+        observer: Observer | None = None,
+    ) -> Any:
+        """Logits of the last position (vocab,), or of every position (T, vocab).
+
+        ``observer(name, value)``, if given, sees the intermediate values named in
+        :mod:`qllama.observe` as they are computed; without one nothing extra is done.
+        """
         xp, c, w = self.xp, self.config, self.weights
         tokens = self._tokens(ids, pos)
         T = tokens.shape[0]
@@ -245,10 +259,14 @@ class Llama:
         x = self.backend.embedding(tokens, w.token_embd)  # (T, n_embd)
         if c.embedding_scale:
             x = x * c.embedding_scale
+        if observer is not None:
+            observer("embedding", x)
         for i, layer in enumerate(w.layers):
             kind = self.kinds[i]
             rot = None if kind.rope is None else angles[kind.rope]
-            x = self._block(x, layer, i, pos, rot, masks[kind.window])
+            x = self._block(x, layer, i, pos, rot, masks[kind.window], observer)
+            if observer is not None:
+                observer(f"blk.{i}.out", x)
             if self.trace_nonfinite:
                 self._check_finite(x, f"the output of layer {i}", pos)
         self.cache.length = pos + T
@@ -259,12 +277,25 @@ class Llama:
             self._check_finite(logits, "the logits", pos)
         return logits if all_logits else logits[0, :]
 
-    def _block(self, x: Any, layer: LayerWeights, i: int, pos: int, rot: Any, mask: Any) -> Any:
+    def _block(
+        self,
+        x: Any,
+        layer: LayerWeights,
+        i: int,
+        pos: int,
+        rot: Any,
+        mask: Any,
+        observer: Observer | None = None,
+    ) -> Any:
         """One transformer block: attention, then MLP, each added to the residual stream
         (normed before, after, or both, as the weights have norms)."""
-        h = self._attention(self._norm(x, layer.attn_norm), layer, i, pos, rot, mask)
+        h = self._attention(self._norm(x, layer.attn_norm), layer, i, pos, rot, mask, observer)
+        if observer is not None:
+            observer(f"blk.{i}.attn_out", h)
         x = x + self._residual(self._norm(h, layer.post_attention_norm))
         h = self._mlp(self._norm(x, layer.ffn_norm), layer)
+        if observer is not None:
+            observer(f"blk.{i}.ffn_out", h)
         return x + self._residual(self._norm(h, layer.post_ffw_norm))
 
     def _norm(self, x: Any, w: Any) -> Any:
@@ -351,10 +382,23 @@ class Llama:
         """Decode from ``prompt``, yielding text as it comes (:func:`qllama.generation.stream`)."""
         return generation.stream(self, prompt, **options)
 
-    def _attention(self, x: Any, layer: LayerWeights, i: int, pos: int, rot: Any, mask: Any) -> Any:
+    def _attention(
+        self,
+        x: Any,
+        layer: LayerWeights,
+        i: int,
+        pos: int,
+        rot: Any,
+        mask: Any,
+        observer: Observer | None = None,
+    ) -> Any:
         xp, c = self.xp, self.config
         T, hd, hd_v, n_kv, n_rep = x.shape[0], c.head_dim, c.head_dim_v, c.n_head_kv, c.n_rep
         q, k, v = self._qkv(x, layer)  # (T, n_head*hd), (T, n_kv*hd), (T, n_kv*hd_v)
+        if observer is not None:  # before norms and RoPE; Q and K rows in the file's order
+            observer(f"blk.{i}.q", q)
+            observer(f"blk.{i}.k", k)
+            observer(f"blk.{i}.v", v)
         if layer.attn_q_norm is not None:
             q = self._qk_norm(q, layer.attn_q_norm, c.n_head)
             k = self._qk_norm(k, layer.attn_k_norm, n_kv)
