@@ -75,6 +75,10 @@ class WeightValueError(QllamaError):
     """A weight or block scale is NaN or infinite."""
 
 
+class ImatrixError(QllamaError):
+    """An importance matrix is missing where a type needs one, or does not fit the tensor."""
+
+
 # --- model, tokenizer, runtime --------------------------------------------------------------
 
 
