@@ -15,6 +15,11 @@ calls. One call of ``kernel(fmt, serial=...)(raw, rows, x, simd, threads)``:
 3. combines the float32 terms in the order of ggml's generic C: per block, in block order,
    ``(d*y.d)*isum`` (+ ``m*y.s``, - ``(dmin*y.d)*msum``), as the oracle does.
 
+The IQ formats with kernels here (IQ3_S, IQ2_XS, IQ2_S) decode each super-block once into
+its signed grid values and sub-block scales, then take plain integer sums with each token
+(:func:`_matmul_iq`): ``(d*y.d) * bsum`` per block in block order, IQ2's ``0.125 * sumf`` at
+the end, as ggml's generic C.
+
 Few tokens (decoding): rows in groups of 4, each row's blocks 16 at a time against one
 token. Many tokens (prefill, teacher forcing): each weight block is decoded once and meets
 16 tokens at a time held in the vector lanes (``token_dots``), so that a block costs a few
@@ -52,8 +57,15 @@ from qllama.backends.cpu_simd import (
     token_wdots,
 )
 from qllama.ggml_types import GGMLType
+from qllama.quants import iq_grids
 
 F32 = np.float32
+IQ3_S, IQ2_XS, IQ2_S = (int(GGMLType[n]) for n in ("IQ3_S", "IQ2_XS", "IQ2_S"))
+IQ = (IQ3_S, IQ2_XS, IQ2_S)
+# the grids' values as the dot products read them (numba freezes these into the code)
+GRID_IQ3S = np.ascontiguousarray(iq_grids.IQ3S.ints)
+GRID_IQ2XS = np.ascontiguousarray(iq_grids.IQ2XS.ints)
+GRID_IQ2S = np.ascontiguousarray(iq_grids.IQ2S.ints)
 
 
 @njit(**INLINE)
@@ -508,6 +520,104 @@ def _kquant_tiles(raw, fmt, ts, r0, r1, xw, tpad, dxt, bst, out):
             _unstage(stage, at + 1, out, r - at)
 
 
+# --- IQ grid formats: IQ3_S, IQ2_XS, IQ2_S -----------------------------------------------------
+
+
+@njit(**INLINE)
+def _iq_type_size(fmt: int) -> int:
+    return 110 if fmt == IQ3_S else 74 if fmt == IQ2_XS else 82
+
+
+@njit(**INLINE)
+def _signed(q, qo, grid, index, signs, n):
+    """``n`` grid values of point ``index`` into ``q[qo:]``, negated where ``signs`` has a bit."""
+    for j in range(n):
+        v = grid[index, j]
+        q[qo + j] = -v if (signs >> j) & 1 else v
+
+
+@njit(**INLINE)
+def _iq_decode(raw, off, fmt, q, sc):
+    """A super-block's signed values into ``q`` (256 int8) and ``2s + 1`` of each 16 values
+    into ``sc`` (16 int32); returns d."""
+    if fmt == IQ3_S:
+        for g in range(64):  # groups of 4: index bit 8 in qh, a sign byte per 8 values
+            hi = (raw[off + 66 + g // 8] >> (g % 8)) & 1
+            index = int(raw[off + 2 + g]) | (int(hi) << 8)
+            signs = int(raw[off + 74 + g // 2]) >> (4 * (g % 2))
+            _signed(q, 4 * g, GRID_IQ3S, index, signs, 4)
+        for b in range(8):
+            s = (raw[off + 106 + b // 2] >> (4 * (b % 2))) & 15
+            sc[2 * b] = sc[2 * b + 1] = 2 * int(s) + 1
+    else:
+        for g in range(32):  # groups of 8
+            if fmt == IQ2_XS:
+                word = int(raw[off + 2 + 2 * g]) | (int(raw[off + 3 + 2 * g]) << 8)
+                s7 = word >> 9
+                parity = 0
+                for j in range(7):
+                    parity ^= (s7 >> j) & 1
+                _signed(q, 8 * g, GRID_IQ2XS, word & 511, s7 | (parity << 7), 8)
+            else:
+                hi = (raw[off + 66 + g // 4] >> (2 * (g % 4))) & 3
+                index = int(raw[off + 2 + g]) | (int(hi) << 8)
+                _signed(q, 8 * g, GRID_IQ2S, index, int(raw[off + 34 + g]), 8)
+        base = off + (66 if fmt == IQ2_XS else 74)
+        for b in range(8):
+            s = raw[base + b]
+            sc[2 * b] = 2 * int(s & 15) + 1
+            sc[2 * b + 1] = 2 * int(s >> 4) + 1
+    return half_to_float(raw, off)
+
+
+@njit(**INLINE)
+def _matmul_iq(raw, fmt, rows, x, simd, threads):
+    """``x @ W.T`` in ggml's CPU arithmetic for IQ3_S / IQ2_XS / IQ2_S weights: Q8_K
+    activations, per block ``bsum = sum_sub (2s+1) * sum(q * y.qs)`` (exact integers) and
+    ``sumf += (d*y.d) * bsum`` in block order; IQ2 rows end with ``0.125 * sumf``."""
+    tokens, k = x.shape
+    nb = k // 256
+    xq = np.empty(tokens * k, np.int8)
+    dx = np.empty((tokens, nb), np.float32)
+    bsums = np.empty((tokens, k // 16), np.int32)
+    flat = x.reshape(-1)
+    for t in prange(tokens):
+        q8k_row(flat, t, k, xq, dx, bsums)
+    out = np.empty((tokens, rows), np.float32)
+    chunks = max(1, min(rows, threads))
+    for c in prange(chunks):
+        r0, r1 = c * rows // chunks, (c + 1) * rows // chunks
+        _iq_rows(raw, fmt, r0, r1, xq, dx, out)
+    return out
+
+
+@njit(**JIT)
+def _iq_rows(raw, fmt, r0, r1, xq, dx, out):
+    """Rows ``r0:r1``: each super-block decoded once, then its sums with every token."""
+    tokens, nb = dx.shape
+    k = nb * 256
+    ts = _iq_type_size(fmt)
+    q = np.empty(256, np.int8)
+    sc = np.empty(16, np.int32)
+    acc = np.empty(tokens, np.float32)
+    final = F32(1) if fmt == IQ3_S else F32(0.125)
+    for r in range(r0, r1):
+        acc[:] = 0
+        for b in range(nb):
+            d = _iq_decode(raw, (r * nb + b) * ts, fmt, q, sc)
+            for t in range(tokens):
+                o = t * k + b * 256
+                bsum = 0
+                for g in range(16):
+                    s = 0
+                    for j in range(16):
+                        s += np.int32(q[16 * g + j]) * np.int32(xq[o + 16 * g + j])
+                    bsum += sc[g] * s
+                acc[t] += (d * dx[t, b]) * np.float32(bsum)
+        for t in range(tokens):
+            out[t, r] = final * acc[t]
+
+
 def _named(kernel: Any, family: str, fmt: int, parallel: bool) -> Any:
     """Compile ``kernel`` under a name of its own: numba's disk cache is keyed by the
     function's name and signature (not by ``parallel``), and by its closure's values (an
@@ -534,11 +644,19 @@ def _kquant_kernel(fmt: int, parallel: bool) -> Any:
     return _named(kernel, "matmul", fmt, parallel)
 
 
+def _iq_kernel(fmt: int, parallel: bool) -> Any:
+    def kernel(raw, rows, x, simd, threads):
+        return _matmul_iq(raw, fmt, rows, x, simd, threads)
+
+    return _named(kernel, "matmul", fmt, parallel)
+
+
 # Each format parallel over weight rows (numba's threads) and serial: a parallel region has
 # every thread meet at its end, which costs more than a small matmul on one thread, and
 # much more when the machine is busy and a thread is waiting for a core.
 KERNELS = {fmt: (_legacy_kernel(fmt, True), _legacy_kernel(fmt, False)) for fmt in LEGACY}
 KERNELS.update({fmt: (_kquant_kernel(fmt, True), _kquant_kernel(fmt, False)) for fmt in KQUANTS})
+KERNELS.update({fmt: (_iq_kernel(fmt, True), _iq_kernel(fmt, False)) for fmt in IQ})
 
 
 def kernel(fmt: int, *, serial: bool) -> Any:

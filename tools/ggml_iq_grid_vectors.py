@@ -5,7 +5,8 @@ the ggml libraries that llama-cpp-python builds (``import llama_cpp``):
 
 * ``ggml_quantize_chunk`` with an importance matrix (random, and all ones) and without one
   where ggml allows it: the bytes llama-quantize writes;
-* the type's ``to_float`` (``ggml_get_type_traits``) on random blocks (every bit pattern);
+* the type's ``to_float`` (``ggml_get_type_traits``) on blocks holding every grid point and
+  on random blocks (every bit pattern);
 * the CPU ``from_float`` of ``Q8_K`` on activation rows and the CPU ``vec_dot``
   (``ggml_get_type_traits_cpu``): ggml's SIMD kernels, whose float sums run in their own
   order;
@@ -256,6 +257,50 @@ def random_blocks(rng: np.random.Generator, g: Ggml, name: str, t: int) -> np.nd
     return raw
 
 
+# grid points, groups per super-block
+GRID_SIZES = {
+    "IQ2_XXS": (256, 32),
+    "IQ2_XS": (512, 32),
+    "IQ2_S": (1024, 32),
+    "IQ3_XXS": (256, 64),
+    "IQ3_S": (512, 64),
+    "IQ1_S": (2048, 32),
+    "IQ1_M": (2048, 32),
+}
+
+
+def every_grid_point(name: str, type_size: int) -> np.ndarray:
+    """Rows of blocks whose groups are the grid's points in order: d = 1, scales and signs
+    0, as each type lays its indices out (ggml-common.h). Their to_float is the grid."""
+    n_grid, groups = GRID_SIZES[name]
+    n_blocks = -(-n_grid // (4 * groups)) * 4  # whole rows of 4 super-blocks
+    blocks = np.zeros((n_blocks, type_size), dtype=np.uint8)
+    idx = np.arange(n_blocks * groups).reshape(n_blocks, groups) % n_grid
+    lo, hi = (idx & 255).astype(np.uint8), idx >> 8
+    if name != "IQ1_M":
+        blocks[:, 1] = 0x3C  # fp16 1.0
+    g = np.arange(groups)
+    if name == "IQ2_XXS":
+        blocks[:, 2:] = np.pad(lo.reshape(-1, 8, 4), ((0, 0), (0, 0), (0, 4))).reshape(-1, 64)
+    elif name == "IQ2_XS":
+        blocks[:, 2:66] = idx.astype("<u2").view(np.uint8)
+    elif name in ("IQ3_XXS", "IQ3_S", "IQ2_S", "IQ1_S"):
+        blocks[:, 2 : 2 + groups] = lo
+    if name == "IQ2_S":
+        np.bitwise_or.at(blocks, (slice(None), 66 + g // 4), (hi << 2 * (g % 4)).astype(np.uint8))
+    if name == "IQ3_S":
+        np.bitwise_or.at(blocks, (slice(None), 66 + g // 8), (hi << g % 8).astype(np.uint8))
+    if name == "IQ1_S":
+        qh = np.zeros((n_blocks, 8), dtype=np.int64)
+        np.add.at(qh, (slice(None), g // 4), hi << 3 * (g % 4))
+        blocks[:, 34:50] = qh.astype("<u2").view(np.uint8)
+    if name == "IQ1_M":
+        blocks[:, :32] = lo
+        np.bitwise_or.at(blocks, (slice(None), 32 + g // 2), (hi << 4 * (g % 2)).astype(np.uint8))
+        blocks[:, 53], blocks[:, 55] = 0xC0, 0x30  # d = 0x3C00 in the scales' top nibbles
+    return blocks.reshape(-1, 4 * type_size)
+
+
 def build(g: Ggml, seed: int = 20261201) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     weights = weight_rows(rng, g)
@@ -285,6 +330,9 @@ def build(g: Ggml, seed: int = 20261201) -> dict[str, np.ndarray]:
         out[f"w/{name}/vec_dot_cpu"] = g.vec_dots(g.traits_cpu(t).vec_dot, raw, act, N)
         generic = VEC_DOT((GENERIC[name], g.generic))
         out[f"w/{name}/vec_dot_generic"] = g.vec_dots(generic, raw, act, N)
+        points = every_grid_point(name, g.traits(t).type_size)
+        out[f"grid/{name}/bytes"] = points
+        out[f"grid/{name}/dequant"] = g.to_float(t, points, N)
         noise = random_blocks(rng, g, name, t)
         out[f"random/{name}/bytes"] = noise
         out[f"random/{name}/dequant"] = g.to_float(t, noise, N)

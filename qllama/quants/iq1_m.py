@@ -9,7 +9,7 @@ import numpy as np
 
 from qllama.ggml_types import GGMLType
 from qllama.quants.base import Fields, IntegerForm, QuantType, Rounding
-from qllama.quants.iq1_search import DELTA, X_M, X_P, onto_grid, split_m
+from qllama.quants.iq1_search import X_M, X_P, onto_grid, split_m
 from qllama.quants.iq_grids import IQ1S, lookup
 from qllama.quants.iq_search import importance, scale_codes
 from qllama.quants.rounding import F32, c_sum, fp16_bits
@@ -71,7 +71,8 @@ class IQ1_M(QuantType, ggml_type=GGMLType.IQ1_M, vec_dot_type="Q8_K"):
         n = fields["qs"].shape[0]
         s = cls.scales(fields["sc"], xp=xp)
         dl = fields["d"] * xp.astype(2 * s + 1, xp.float32)  # (n, 16)
-        delta = xp.where(cls.negative(fields["qh"], xp=xp), -DELTA, DELTA)  # (n, 32)
+        minus = xp.astype(cls.negative(fields["qh"], xp=xp), xp.float32)
+        delta = 0.125 - 0.25 * minus  # (n, 32): +-1/8, exactly
         grid = lookup(IQ1S, cls.index(fields, xp=xp), xp=xp)  # (n, 32, 8)
         y = xp.reshape(grid + xp.reshape(delta, (n, 32, 1)), (n, 16, 16))
         return xp.reshape(xp.reshape(dl, (n, 16, 1)) * y, (n, 256))
@@ -113,7 +114,7 @@ class IQ1_M(QuantType, ggml_type=GGMLType.IQ1_M, vec_dot_type="Q8_K"):
         neg = scale < 0
         levels = np.where(neg[:, None], 2 - levels, levels)
         scale, combo = np.abs(scale), np.where(neg, 3 - combo, combo)
-        index, scale = onto_grid(levels, xs[live], ws[live], scale, _values(combo))
+        index, scale = onto_grid(levels, xs[live], ws[live], scale, _minus(combo))
 
         scales = np.zeros(n * 16, dtype=F32)
         combos = np.zeros(n * 16, dtype=np.int64)
@@ -122,8 +123,9 @@ class IQ1_M(QuantType, ggml_type=GGMLType.IQ1_M, vec_dot_type="Q8_K"):
         _, codes, zero = scale_codes(scales.reshape(n, 16), levels=15, top=7, fudge=1.0)
         combos = combos.reshape(n, 16)
         # the refit of d over all 256 values, zero 16-blocks included (index 0, (+,+))
-        lv = IQ1S.points[idx.reshape(n, 32)].astype(np.int64)  # (n, 32, 8)
-        q = np.take_along_axis(_values(combos.reshape(-1)).reshape(n, 32, 3), lv, axis=2)
+        lv = IQ1S.points[idx.reshape(n, 32)]  # (n, 32, 8)
+        minus = _minus(combos.reshape(-1)).reshape(n, 32, 1).astype(np.int64)
+        q = np.stack([X_P, X_M])[minus, lv]
         q = q.reshape(n, 16, 16) * (2 * codes.astype(F32) + 1)[..., None]
         wq = w * q.reshape(n, 256)
         sumqx = c_sum(np.ascontiguousarray((wq * x).T))
@@ -148,9 +150,7 @@ class IQ1_M(QuantType, ggml_type=GGMLType.IQ1_M, vec_dot_type="Q8_K"):
         return out
 
 
-def _values(combo: np.ndarray) -> np.ndarray:
-    """The level values of the two groups of each 16-block, ``(m, 2, 3)``: group 0 has delta
-    +1/8 for combinations 0 and 1, group 1 for 0 and 2."""
-    first = np.where((combo < 2)[:, None], X_P, X_M)
-    second = np.where((combo % 2 == 0)[:, None], X_P, X_M)
-    return np.stack([first, second], axis=1)
+def _minus(combo: np.ndarray) -> np.ndarray:
+    """Whether each of the two groups of each 16-block has delta -1/8, ``(m, 2)``: group 0
+    for combinations 2 and 3, group 1 for 1 and 3."""
+    return np.stack([combo >= 2, combo % 2 == 1], axis=1)

@@ -9,7 +9,7 @@ import numpy as np
 
 from qllama.ggml_types import GGMLType
 from qllama.quants.base import Fields, IntegerForm, QuantType, Rounding
-from qllama.quants.iq1_search import DELTA, X_M, X_P, onto_grid, split_s
+from qllama.quants.iq1_search import onto_grid, split_s
 from qllama.quants.iq_grids import IQ1S, lookup
 from qllama.quants.iq_search import importance, scale_codes
 from qllama.quants.rounding import F32, read_fp16
@@ -56,7 +56,7 @@ class IQ1_S(QuantType, ggml_type=GGMLType.IQ1_S, vec_dot_type="Q8_K"):
         qh = fields["qh"]
         n = qh.shape[0]
         dl = fields["d"] * xp.astype(2 * ((qh >> 12) & 7) + 1, xp.float32)  # (n, 8)
-        delta = xp.where((qh >> 15) & 1 == 1, -DELTA, DELTA)
+        delta = 0.125 - 0.25 * xp.astype((qh >> 15) & 1, xp.float32)  # +-1/8, exactly
         grid = xp.reshape(lookup(IQ1S, cls.index(fields, xp=xp), xp=xp), (n, 8, 32))
         y = xp.reshape(dl, (n, 8, 1)) * (grid + xp.reshape(delta, (n, 8, 1)))
         return xp.reshape(y, (n, 256))
@@ -93,9 +93,8 @@ class IQ1_S(QuantType, ggml_type=GGMLType.IQ1_S, vec_dot_type="Q8_K"):
         neg = scale < 0
         levels = np.where(neg[:, None], 2 - levels, levels)
         scale, shift = np.abs(scale), np.where(neg, -shift, shift)
-        values = np.where((shift == 1)[:, None, None], X_P, X_M)  # every group of a 32
-        values = np.broadcast_to(values, (len(live), 4, 3))
-        index, scale = onto_grid(levels, xs[live], ws[live], scale, values)
+        minus = np.repeat((shift == -1)[:, None], 4, axis=1)  # every group of a 32
+        index, scale = onto_grid(levels, xs[live], ws[live], scale, minus)
 
         scales = np.zeros(n * 8, dtype=F32)
         minus = np.zeros(n * 8, dtype=bool)

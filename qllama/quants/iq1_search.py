@@ -155,30 +155,31 @@ def split_m(x: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.nd
 
 
 def onto_grid(
-    levels: np.ndarray, x: np.ndarray, w: np.ndarray, scale: np.ndarray, values: np.ndarray
+    levels: np.ndarray, x: np.ndarray, w: np.ndarray, scale: np.ndarray, minus: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
     """Put each group of 8 of sub-blocks ``(m, n)`` on the IQ1 grid, then refit the scale.
 
     ``levels`` ``(m, n)`` from the split (already mirrored so that ``scale >= 0``);
-    ``values`` ``(m, n // 8, 3)`` the level values of each group (X_P or X_M). Off-grid
-    groups take ggml's ``iq1_find_best_neighbour2`` (signed ``x``, plain weights ``w``).
-    Where a group was off the grid the scale becomes ``sum(w*q*x) / sum(w*q*q)`` when both
-    are positive. Returns the grid index of each group ``(m, n // 8)`` and the scales.
+    ``minus`` ``(m, n // 8)``: whether each group's delta is -1/8 (level values X_M, else
+    X_P). Off-grid groups take ggml's ``iq1_find_best_neighbour2`` (signed ``x``, plain
+    weights ``w``). Where a group was off the grid the scale becomes
+    ``sum(w*q*x) / sum(w*q*q)`` when both are positive. Returns the grid index of each group
+    ``(m, n // 8)`` and the scales.
     """
     m, n = x.shape
     groups = n // 8
-    lv = levels.reshape(m, groups, 8)
-    u = IQ1S.pack(lv)  # (m, groups)
+    u = IQ1S.pack(levels.reshape(m, groups, 8))  # (m, groups)
     index = IQ1S.kmap[u].astype(np.int64)
     off = index < 0
     if off.any():
         r, g = np.nonzero(off)
         xg = x.reshape(m, groups, 8)[r, g]
         wg = w.reshape(m, groups, 8)[r, g]
-        index[r, g] = IQ1S.nearest(u[r, g], xg, wg, scale[r], values[r, g])
+        variants = np.stack([X_P, X_M])
+        index[r, g] = IQ1S.nearest(u[r, g], xg, wg, scale[r], variants, minus[r, g].astype(np.int64))
         redo = np.flatnonzero(off.any(axis=1))
         grid_lv = IQ1S.points[index[redo]]  # (k, groups, 8)
-        q = np.take_along_axis(values[redo], grid_lv.astype(np.int64), axis=2).reshape(-1, n)
+        q = variants[minus[redo][..., None].astype(np.int64), grid_lv].reshape(-1, n)
         wq = w[redo] * q
         sumqx = c_sum(np.ascontiguousarray((wq * x[redo]).T))
         sumq2 = c_sum(np.ascontiguousarray((wq * q).T))

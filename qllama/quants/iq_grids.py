@@ -28,6 +28,7 @@ zlib-compressed and base64-encoded. Everything else is derived:
 from __future__ import annotations
 
 import base64
+import importlib.util
 import zlib
 from dataclasses import dataclass
 from functools import cached_property
@@ -86,6 +87,18 @@ _IQ3S_MASK = (
     "KJUXm9K1+oxqAGx08Jn00gqR5+yipY9QsMLkm0MX/F9rhEnkBcIeC53rpb6Gi0eXc8T8kWhylcm7/IVJG/gDusYn"
     "IA=="
 )
+
+# Whether Grid.nearest may use its compiled twin (backends/cpu_iq_search.py): None asks
+# whether numba is installed; tests set False to run the numpy path, its oracle.
+USE_COMPILED: bool | None = None
+
+
+def compiled() -> bool:
+    """Whether the neighbour search runs compiled (numba installed, not switched off)."""
+    if USE_COMPILED is None:
+        return importlib.util.find_spec("numba") is not None
+    return USE_COMPILED
+
 
 @dataclass(frozen=True, eq=False)
 class Grid:
@@ -176,34 +189,51 @@ class Grid:
         w: np.ndarray,
         scale: np.ndarray,
         level_values: np.ndarray,
+        which: np.ndarray | None = None,
     ) -> np.ndarray:
         """ggml's ``iq2_find_best_neighbour`` / ``iq3_find_best_neighbour`` /
         ``iq1_find_best_neighbour2`` for ``m`` off-grid groups at once.
 
         ``u`` ``(m,)`` off-grid packed indices; ``x``, ``w`` ``(m, dims)`` float32, the values
-        to fit and their weights; ``scale`` ``(m,)``; ``level_values`` the value of each level
-        in the fit, ``(levels,)`` or per group ``(m, levels)``. Over each group's neighbour
-        list, in order, ``d2 = sum_i (w_i * diff_i) * diff_i`` with ``diff = scale*q - x``
-        (float32, from 0, in coordinate order); the first smallest ``d2`` wins, as ggml's
-        strict ``<``. Returns the winning grid indices ``(m,)`` int32.
+        to fit and their weights; ``scale`` ``(m,)``; ``level_values`` ``(v, levels)``: the
+        value of each level in the fit, in ``v`` variants, ``which`` ``(m,)`` picking each
+        group's (variant 0 if None). Over each group's neighbour list, in order,
+        ``d2 = sum_i (w_i * diff_i) * diff_i`` with ``diff = scale*q - x`` (float32, from 0,
+        in coordinate order); the first smallest ``d2`` wins, as ggml's strict ``<``.
+        Returns the winning grid indices ``(m,)`` int32. Runs compiled where numba is
+        installed (:func:`compiled`), with the same result.
         """
         start, count, flat = self._neighbours
+        table = np.ascontiguousarray(np.asarray(level_values, dtype=F32)[:, self.points.T])
+        if compiled():
+            from qllama.backends import cpu_iq_search
+
+            variant = np.zeros(len(u), np.int64) if which is None else which.astype(np.int64)
+            return cpu_iq_search.nearest(  # type: ignore[no-any-return]
+                start,
+                count,
+                flat,
+                table,
+                variant,
+                u.astype(np.int64),
+                np.ascontiguousarray(x, dtype=F32),
+                np.ascontiguousarray(w, dtype=F32),
+                np.ascontiguousarray(scale, dtype=F32),
+            )
         n = count[u]
-        seg = np.repeat(np.arange(len(u)), n)  # the group of each candidate
         first = np.cumsum(n) - n  # where each group's candidates start
-        cand = flat[start[u][seg] + np.arange(seg.size) - first[seg]]
-        lv = self.points[cand]  # (candidates, dims) levels
-        if level_values.ndim == 1:
-            q = level_values[lv]
-        else:
-            q = level_values[seg[:, None], lv]
-        sc, xs, ws = scale[seg], x[seg], w[seg]
-        d2 = np.zeros(seg.size, dtype=F32)
+        total = int(n.sum())
+        cand = flat[np.repeat(start[u] - first, n) + np.arange(total)]
+        variant = None if which is None else np.repeat(which, n)
+        sc = np.repeat(scale, n)
+        xt, wt = np.ascontiguousarray(x.T), np.ascontiguousarray(w.T)
+        d2 = np.zeros(total, dtype=F32)
         for i in range(self.dims):
-            diff = sc * q[:, i] - xs[:, i]
-            d2 += (ws[:, i] * diff) * diff
+            q = table[0, i][cand] if variant is None else table[variant, i, cand]
+            diff = sc * q - np.repeat(xt[i], n)
+            d2 += (np.repeat(wt[i], n) * diff) * diff
         best = np.minimum.reduceat(d2, first)
-        pos = np.where(d2 == best[seg], np.arange(seg.size), seg.size)
+        pos = np.where(d2 == np.repeat(best, n), np.arange(total), total)
         return cand[np.minimum.reduceat(pos, first)]
 
 

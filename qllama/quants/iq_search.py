@@ -307,7 +307,7 @@ class GridSearch:
             g, c = np.nonzero(todo)
             xg = x.reshape(groups, dims, -1)[g, :, c]
             wg = waux.reshape(groups, dims, -1)[g, :, c]
-            best = self.grid.nearest(u[g, c], xg, wg, scale[c], self.positions)
+            best = self.grid.nearest(u[g, c], xg, wg, scale[c], self.positions[None])
             lv3[g, :, c] = self.grid.points[best]
         return lv, off
 
