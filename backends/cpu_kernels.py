@@ -611,8 +611,8 @@ def _iq_rows(raw, fmt, r0, r1, xq, dx, out):
                 for g in range(16):
                     s = 0
                     for j in range(16):
-                        s += np.int32(q[16 * g + j]) * np.int32(xq[o + 16 * g + j])
-                    bsum += sc[g] * s
+                        s += int(q[16 * g + j]) * int(xq[o + 16 * g + j])
+                    bsum += int(sc[g]) * s
                 acc[t] += (d * dx[t, b]) * np.float32(bsum)
         for t in range(tokens):
             out[t, r] = final * acc[t]

@@ -14,9 +14,10 @@ row) pair at once:
   over that form: the integer sums of a block are float32 BLAS products that are exact (every
   partial sum is an integer of at most 2**24, checked per format; float64 for the IQ formats
   whose sums can pass it, rounded to float32 as C converts ggml's int32 sum), and the float
-  scales are combined in the order of ggml's generic C (``ggml-cpu/quants.c``). Results equal that C,
-  compiled as written (no FMA contraction), bit for bit; ggml's SIMD kernels, and builds
-  that contract ``sumf += a*b`` into an FMA, differ from it by float32 rounding only.
+  scales are combined in the order of ggml's generic C (``ggml-cpu/quants.c``). Results
+  equal that C, compiled as written (no FMA contraction), bit for bit; ggml's SIMD kernels,
+  and builds that contract ``sumf += a*b`` into an FMA, differ from it by float32 rounding
+  only.
 
 Weights stay the file's bytes (a zero-copy view) and are unpacked chunk by chunk in each
 call, so memory per call is bounded by ``work_bytes``; no unpacked copy is kept. This path is

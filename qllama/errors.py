@@ -64,7 +64,7 @@ class GGUFDuplicateError(GGUFError):
 
 
 class UnsupportedTensorTypeError(QllamaError):
-    """A valid GGML type that qllama cannot (de)quantize, such as IQ2_XXS."""
+    """A valid GGML type that qllama cannot (de)quantize, such as F64."""
 
 
 class TensorShapeError(QllamaError):

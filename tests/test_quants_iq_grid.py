@@ -253,7 +253,7 @@ def test_quantize_is_deterministic_and_zero_rows_are_zero(qtype):
     assert not zero.any()  # every type writes an all-zero super-block as zero bytes
 
 
-# --- the CPU arithmetic ----------------------------------------------------------------------------
+# --- the CPU arithmetic -------------------------------------------------------------------------
 
 
 def kernel_modes(qtype: str) -> list[str]:
@@ -264,9 +264,7 @@ def kernel_modes(qtype: str) -> list[str]:
     return modes
 
 
-@pytest.mark.parametrize(
-    ("qtype", "kernels"), [(t, k) for t in TYPES for k in kernel_modes(t)]
-)
+@pytest.mark.parametrize(("qtype", "kernels"), [(t, k) for t in TYPES for k in kernel_modes(t)])
 @pytest.mark.parametrize("source", ["w/{}/rand", "random/{}"])
 def test_cpu_matmul_is_ggmls_generic_c_bit_for_bit(qtype, kernels, source, vectors):
     """ggml's generic C dot products (compiled as written, no FMA) of the quantizer's bytes
@@ -275,7 +273,9 @@ def test_cpu_matmul_is_ggmls_generic_c_bit_for_bit(qtype, kernels, source, vecto
     backend = NumpyBackend(kernels=kernels)
     w = backend.prepare(tensor(vectors[f"{prefix}/bytes"], qtype))
     got = backend.matmul(vectors["acts_f32"], w)
-    generic = f"w/{qtype}/vec_dot_generic" if prefix.startswith("w/") else f"{prefix}/vec_dot_generic"
+    generic = (
+        f"w/{qtype}/vec_dot_generic" if prefix.startswith("w/") else f"{prefix}/vec_dot_generic"
+    )
     np.testing.assert_array_equal(bits(got), bits(vectors[generic].T))
 
 
@@ -294,7 +294,9 @@ def test_cpu_matmul_matches_ggmls_simd_kernels(qtype, vectors):
 
 
 def test_activations_are_ggmls_q8_k(vectors):
-    np.testing.assert_array_equal(quants.quantize(vectors["acts_f32"], "Q8_K"), vectors["act/Q8_K/cpu"])
+    np.testing.assert_array_equal(
+        quants.quantize(vectors["acts_f32"], "Q8_K"), vectors["act/Q8_K/cpu"]
+    )
 
 
 @pytest.mark.skipif(not numpy_cpu.kernels_available(), reason="numba is not installed")

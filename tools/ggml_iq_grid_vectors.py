@@ -35,7 +35,15 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "tests" / "data" / "ggml_vectors_iq_grid.npz"
 
-TYPES = {"IQ2_XXS": 16, "IQ2_XS": 17, "IQ3_XXS": 18, "IQ1_S": 19, "IQ3_S": 21, "IQ2_S": 22, "IQ1_M": 29}
+TYPES = {
+    "IQ2_XXS": 16,
+    "IQ2_XS": 17,
+    "IQ3_XXS": 18,
+    "IQ1_S": 19,
+    "IQ3_S": 21,
+    "IQ2_S": 22,
+    "IQ1_M": 29,
+}
 TYPE_NAMES = {8: "Q8_0", 15: "Q8_K"}
 Q8_K = 15
 Q4_1 = 3
@@ -69,7 +77,7 @@ VEC_DOT = ctypes.CFUNCTYPE(
 
 
 class TypeTraits(ctypes.Structure):
-    _fields_ = [  # noqa: RUF012 (ctypes' own declaration)
+    _fields_ = [
         ("type_name", ctypes.c_char_p),
         ("blck_size", ctypes.c_int64),
         ("blck_size_interleave", ctypes.c_int64),
@@ -81,7 +89,7 @@ class TypeTraits(ctypes.Structure):
 
 
 class TypeTraitsCpu(ctypes.Structure):
-    _fields_ = [  # noqa: RUF012
+    _fields_ = [
         ("from_float", FROM_FLOAT),
         ("vec_dot", VEC_DOT),
         ("vec_dot_type", ctypes.c_int),
@@ -344,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args(argv)
-    import llama_cpp  # noqa: PLC0415 (only this script needs it)
+    import llama_cpp
 
     lib = Path(llama_cpp.__file__).parent / "lib"
     with tempfile.TemporaryDirectory() as tmp:

@@ -141,8 +141,8 @@ class IQ1_M(QuantType, ggml_type=GGMLType.IQ1_M, vec_dot_type="Q8_K"):
         sc |= (dbits[:, None] >> (4 * np.arange(4)) & 0xF) << 12
         sc[zero] = 0  # ggml stops before the scales: they stay as zeroed
         idx = idx.reshape(n, 16, 2)
-        qh = (idx[:, :, 0] >> 8) | ((idx[:, :, 1] >> 8) << 4)
-        qh = qh.astype(np.uint8) | np.where(zero[:, None], 0, MASKS[combos]).astype(np.uint8)
+        hi = ((idx[:, :, 0] >> 8) | ((idx[:, :, 1] >> 8) << 4)).astype(np.uint8)
+        qh = hi | np.where(zero[:, None], 0, MASKS[combos]).astype(np.uint8)
         out = np.empty((n, cls.type_size), dtype=np.uint8)
         out[:, :32] = (idx & 255).reshape(n, 32)
         out[:, 32:48] = qh

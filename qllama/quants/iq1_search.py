@@ -176,7 +176,9 @@ def onto_grid(
         xg = x.reshape(m, groups, 8)[r, g]
         wg = w.reshape(m, groups, 8)[r, g]
         variants = np.stack([X_P, X_M])
-        index[r, g] = IQ1S.nearest(u[r, g], xg, wg, scale[r], variants, minus[r, g].astype(np.int64))
+        index[r, g] = IQ1S.nearest(
+            u[r, g], xg, wg, scale[r], variants, minus[r, g].astype(np.int64)
+        )
         redo = np.flatnonzero(off.any(axis=1))
         grid_lv = IQ1S.points[index[redo]]  # (k, groups, 8)
         q = variants[minus[redo][..., None].astype(np.int64), grid_lv].reshape(-1, n)

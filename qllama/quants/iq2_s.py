@@ -96,7 +96,13 @@ class IQ2_S(QuantType, ggml_type=GGMLType.IQ2_S, vec_dot_type="Q8_K"):
         """``quantize_row_iq2_s_impl``: sigma2 = 2*sum(x*x)/256, plain signs, 16-value
         sub-blocks, off-grid groups refitted; ``d = max_scale/31`` stored times 0.9875."""
         code = quantize_grid(
-            x, qw, SEARCH, sigma_factor=2, fallback="sigma", parity=False, fudge=0.9875,
+            x,
+            qw,
+            SEARCH,
+            sigma_factor=2,
+            fallback="sigma",
+            parity=False,
+            fudge=0.9875,
             name="IQ2_S",
         )
         n = x.shape[0]

@@ -106,7 +106,13 @@ class IQ3_S(QuantType, ggml_type=GGMLType.IQ3_S, vec_dot_type="Q8_K"):
         """``quantize_row_iq3_s_impl(32)``: sigma2 = 2*sum(x*x)/256, plain signs, every group
         refitted when one was off the grid; ``d = max_scale/31`` stored times 1.033."""
         code = quantize_grid(
-            x, qw, SEARCH, sigma_factor=2, fallback="x2", parity=False, fudge=1.033,
+            x,
+            qw,
+            SEARCH,
+            sigma_factor=2,
+            fallback="x2",
+            parity=False,
+            fudge=1.033,
             name="IQ3_S",
         )
         n = x.shape[0]

@@ -90,7 +90,13 @@ class IQ3_XXS(QuantType, ggml_type=GGMLType.IQ3_XXS, vec_dot_type="Q8_K"):
         """``quantize_row_iq3_xxs_impl(256)``: sigma2 = 2*sum(x*x)/256, parity signs,
         off-grid groups refitted; ``d = max_scale/31`` stored times 1.0125."""
         code = quantize_grid(
-            x, qw, SEARCH, sigma_factor=2, fallback="x2", parity=True, fudge=1.0125,
+            x,
+            qw,
+            SEARCH,
+            sigma_factor=2,
+            fallback="x2",
+            parity=True,
+            fudge=1.0125,
             name="IQ3_XXS",
         )
         n = x.shape[0]

@@ -126,7 +126,7 @@ class Grid:
 
     @cached_property
     def table(self) -> np.ndarray:
-        """``(n, dims)`` float32: the values of each grid point, as ggml's dequantizers read them."""
+        """``(n, dims)`` float32: each grid point's values, as ggml's dequantizers read them."""
         return np.asarray(self.values, dtype=F32)[self.points]
 
     @cached_property
@@ -151,9 +151,11 @@ class Grid:
     def _neighbours(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per packed index: (start, count) into a flat list of grid indices (count 0 on the
         grid). Lists are made for every lattice point whose levels a quantizer can produce."""
-        lattice = np.arange(self.levels**self.dims)[:, None] // self.levels ** np.arange(
-            self.dims
-        ) % self.levels  # (levels**dims, dims): every point, digits of its lattice number
+        lattice = (
+            np.arange(self.levels**self.dims)[:, None]
+            // self.levels ** np.arange(self.dims)
+            % self.levels
+        )  # (levels**dims, dims): every point, digits of its lattice number
         u = self.pack(lattice)
         off = lattice[self.kmap[u] < 0].astype(np.int32)
         pts = self.points.astype(np.int32)
@@ -208,13 +210,13 @@ class Grid:
         if compiled():
             from qllama.backends import cpu_iq_search
 
-            variant = np.zeros(len(u), np.int64) if which is None else which.astype(np.int64)
-            return cpu_iq_search.nearest(  # type: ignore[no-any-return]
+            pick = np.zeros(len(u), np.int64) if which is None else which.astype(np.int64)
+            return cpu_iq_search.nearest(
                 start,
                 count,
                 flat,
                 table,
-                variant,
+                pick,
                 u.astype(np.int64),
                 np.ascontiguousarray(x, dtype=F32),
                 np.ascontiguousarray(w, dtype=F32),
@@ -247,9 +249,9 @@ IQ3S = Grid("iq3s", 4, 8, (1, 3, 5, 7, 9, 11, 13, 15), nwant=3, mask=_IQ3S_MASK)
 
 def parity_signs(s7: np.ndarray) -> np.ndarray:
     """ggml's ``ksigns_iq2xs[s7]``: 7 stored sign bits, bit 7 set to their parity."""
-    s7 = np.asarray(s7, dtype=np.uint8) & 127
-    parity = np.unpackbits(s7[..., None], axis=-1).sum(axis=-1) & 1
-    return s7 | (parity.astype(np.uint8) << 7)
+    low = (np.asarray(s7) & 127).astype(np.uint8)
+    parity = np.unpackbits(low[..., None], axis=-1).sum(axis=-1) & 1
+    return low | (parity.astype(np.uint8) << 7)
 
 
 # --- reading, in any array namespace ------------------------------------------------------------
@@ -278,6 +280,6 @@ def sign_factors(signs: Any, *, parity: bool, xp: Any) -> Any:
 
 def sign_ints(signs: np.ndarray, *, parity: bool) -> np.ndarray:
     """numpy: the same as int8 ``1`` / ``-1``, ``signs.shape + (8,)``."""
-    full = parity_signs(signs) if parity else np.asarray(signs, dtype=np.uint8)
+    full = (parity_signs(signs) if parity else np.asarray(signs)).astype(np.uint8)
     bits = np.unpackbits(full[..., None], axis=-1, bitorder="little")
     return (1 - 2 * bits.astype(np.int8)).astype(np.int8)

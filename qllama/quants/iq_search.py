@@ -62,9 +62,7 @@ def importance(
     return w.astype(F32)
 
 
-def fold_signs(
-    x: np.ndarray, w: np.ndarray, *, parity: bool
-) -> tuple[np.ndarray, np.ndarray]:
+def fold_signs(x: np.ndarray, w: np.ndarray, *, parity: bool) -> tuple[np.ndarray, np.ndarray]:
     """``(n, 256)`` values and weights -> the magnitudes the search fits and one sign byte
     per group of 8 (bit i set: value i is stored negative), ``(n, 256)`` and ``(n, 32)``.
 
@@ -233,7 +231,13 @@ class GridSearch:
                 scale = make_qp_quants(x, w, self.kmax + 1)
                 denom = scale * F32(self.kmax)  # ggml's eff_max; <= 0: a zero sub-block
                 keep = denom > 0
-                cols, x, w, denom, scale = cols[keep], x[:, keep], w[:, keep], denom[keep], scale[keep]
+                cols, x, w, denom, scale = (
+                    cols[keep],
+                    x[:, keep],
+                    w[:, keep],
+                    denom[keep],
+                    scale[keep],
+                )
                 live[:] = False
                 live[cols] = True
                 if cols.size == 0:
