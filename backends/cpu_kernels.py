@@ -339,6 +339,20 @@ def _part(rows: int, parts: int, c: int) -> tuple[int, int]:
 
 
 @njit(**INLINE)
+def _q8k_activations(x):
+    """The rows of ``x`` (T, K) as Q8_K, token by token over the threads: int8 codes (T*K,),
+    float32 d (T, K/256), the sums of each 16 (T, K/16)."""
+    tokens, k = x.shape
+    xq = np.empty(tokens * k, np.int8)
+    dx = np.empty((tokens, k // 256), np.float32)
+    bsums = np.empty((tokens, k // 16), np.int32)
+    flat = x.reshape(-1)
+    for t in prange(tokens):
+        q8k_row(flat, t, k, xq, dx, bsums)
+    return xq, dx, bsums
+
+
+@njit(**INLINE)
 def _matmul_kquant(raw, fmt, rows, x, simd, threads):
     """As :func:`matmul_legacy` for the 256-element super-blocks of the K-quants, against
     Q8_K activations: per block, 8 lane sums (element e in lane e % 8) scaled by
@@ -347,12 +361,7 @@ def _matmul_kquant(raw, fmt, rows, x, simd, threads):
     tokens, k = x.shape
     nb = k // 256
     ts = _type_size(fmt)
-    xq = np.empty(tokens * k, np.int8)
-    dx = np.empty((tokens, nb), np.float32)
-    bsums = np.empty((tokens, k // 16), np.int32)
-    flat = x.reshape(-1)
-    for t in prange(tokens):
-        q8k_row(flat, t, k, xq, dx, bsums)
+    xq, dx, bsums = _q8k_activations(x)
     out = np.empty((tokens, rows), np.float32)
     chunks = max(1, min(rows, threads))
     if tokens < TOKEN_TILE:
@@ -575,14 +584,8 @@ def _matmul_iq(raw, fmt, rows, x, simd, threads):
     """``x @ W.T`` in ggml's CPU arithmetic for IQ3_S / IQ2_XS / IQ2_S weights: Q8_K
     activations, per block ``bsum = sum_sub (2s+1) * sum(q * y.qs)`` (exact integers) and
     ``sumf += (d*y.d) * bsum`` in block order; IQ2 rows end with ``0.125 * sumf``."""
-    tokens, k = x.shape
-    nb = k // 256
-    xq = np.empty(tokens * k, np.int8)
-    dx = np.empty((tokens, nb), np.float32)
-    bsums = np.empty((tokens, k // 16), np.int32)
-    flat = x.reshape(-1)
-    for t in prange(tokens):
-        q8k_row(flat, t, k, xq, dx, bsums)
+    tokens = x.shape[0]
+    xq, dx, _ = _q8k_activations(x)
     out = np.empty((tokens, rows), np.float32)
     chunks = max(1, min(rows, threads))
     for c in prange(chunks):

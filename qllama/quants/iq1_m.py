@@ -8,10 +8,10 @@ from typing import Any
 import numpy as np
 
 from qllama.ggml_types import GGMLType
-from qllama.quants.base import Fields, IntegerForm, QuantType, Rounding
+from qllama.quants.base import Fields, IntegerForm, QuantType
 from qllama.quants.iq1_search import X_M, X_P, onto_grid, split_m
-from qllama.quants.iq_grids import IQ1S, lookup
-from qllama.quants.iq_search import importance, scale_codes
+from qllama.quants.iq_grids import IQ1S, bit_fields, lookup
+from qllama.quants.iq_search import ImatrixQuantizer, importance, scale_codes
 from qllama.quants.rounding import F32, c_sum, fp16_bits
 
 EPS = F32(1e-7)  # GROUP_MAX_EPS_IQ1_M
@@ -19,7 +19,7 @@ EPS = F32(1e-7)  # GROUP_MAX_EPS_IQ1_M
 MASKS = np.array([0x00, 0x80, 0x08, 0x88], dtype=np.uint8)
 
 
-class IQ1_M(QuantType, ggml_type=GGMLType.IQ1_M, vec_dot_type="Q8_K"):
+class IQ1_M(ImatrixQuantizer, QuantType, ggml_type=GGMLType.IQ1_M, vec_dot_type="Q8_K"):
     """Super-block of 256 weights, 56 bytes: 32 groups of 8, a scale per 16, no separate d::
 
         offset  0                 32                    48                      56
@@ -52,19 +52,18 @@ class IQ1_M(QuantType, ggml_type=GGMLType.IQ1_M, vec_dot_type="Q8_K"):
     @classmethod
     def index(cls, fields: Fields, *, xp: Any) -> Any:
         """The grid index of each group, ``(n, 32)`` int32."""
-        qh = xp.astype(fields["qh"], xp.int32)
-        hi = xp.reshape(xp.stack([qh & 7, (qh >> 4) & 7], axis=2), (-1, 32))
+        hi = bit_fields(xp.astype(fields["qh"], xp.int32), 3, 2, stride=4, xp=xp)
         return xp.astype(fields["qs"], xp.int32) | (hi << 8)
 
     @classmethod
     def scales(cls, sc: Any, *, xp: Any) -> Any:
         """``(n, 4)`` u16 words -> the 3-bit scale of each 16-block, ``(n, 16)``."""
-        return xp.reshape(xp.stack([(sc >> (3 * i)) & 7 for i in range(4)], axis=2), (-1, 16))
+        return bit_fields(sc, 3, 4, xp=xp)
 
     @classmethod
     def negative(cls, qh: Any, *, xp: Any) -> Any:
         """Whether each group's delta is -1/8, ``(n, 32)`` bool."""
-        return xp.reshape(xp.stack([(qh >> 3) & 1, (qh >> 7) & 1], axis=2), (-1, 32)) == 1
+        return bit_fields(qh >> 3, 1, 2, stride=4, xp=xp) == 1
 
     @classmethod
     def dequantize_fields(cls, fields: Fields, *, xp: Any) -> Any:
@@ -90,20 +89,11 @@ class IQ1_M(QuantType, ggml_type=GGMLType.IQ1_M, vec_dot_type="Q8_K"):
         )
 
     @classmethod
-    def quantize_blocks(cls, x: np.ndarray, *, rounding: Rounding = "ref") -> np.ndarray:
-        """``quantize_iq1_m`` without an importance matrix: the weights ``x*x``."""
-        cls._check_rounding(rounding)
-        return cls._quantize(x, None)
-
-    @classmethod
-    def quantize_blocks_weighted(cls, x: np.ndarray, qw: np.ndarray) -> np.ndarray:
-        return cls._quantize(x, qw)
-
-    @classmethod
     def _quantize(cls, x: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
         """``quantize_row_iq1_m_impl``: sigma2 = 2*sum(x*x)/256, the split per 16 values with
         a delta per 8, groups onto the grid, then one least-squares ``d`` for the whole
-        super-block under the coded scales, stored times 1.1125."""
+        super-block under the coded scales, stored times 1.1125. Without an importance matrix
+        the weights are ``x*x``."""
         n = x.shape[0]
         w = importance(x, qw, sigma_factor=2, fallback="x2", name="IQ1_M")
         xs, ws = x.reshape(-1, 16), w.reshape(-1, 16)

@@ -8,16 +8,16 @@ from typing import Any
 import numpy as np
 
 from qllama.ggml_types import GGMLType
-from qllama.quants.base import Fields, IntegerForm, QuantType, Rounding
+from qllama.quants.base import Fields, IntegerForm, QuantType
 from qllama.quants.iq1_search import onto_grid, split_s
-from qllama.quants.iq_grids import IQ1S, lookup
-from qllama.quants.iq_search import importance, scale_codes
+from qllama.quants.iq_grids import IQ1S, bit_fields, lookup
+from qllama.quants.iq_search import ImatrixQuantizer, importance, scale_codes
 from qllama.quants.rounding import F32, read_fp16
 
 EPS = F32(1e-12)  # GROUP_MAX_EPS_IQ1_S
 
 
-class IQ1_S(QuantType, ggml_type=GGMLType.IQ1_S, vec_dot_type="Q8_K"):
+class IQ1_S(ImatrixQuantizer, QuantType, ggml_type=GGMLType.IQ1_S, vec_dot_type="Q8_K"):
     """Super-block of 256 weights, 50 bytes: 32 groups of 8, a scale and a shift per 32::
 
         offset  0      2                 34                              50
@@ -47,8 +47,7 @@ class IQ1_S(QuantType, ggml_type=GGMLType.IQ1_S, vec_dot_type="Q8_K"):
     @classmethod
     def index(cls, fields: Fields, *, xp: Any) -> Any:
         """The grid index of each group, ``(n, 32)`` int32."""
-        qh = fields["qh"]
-        hi = xp.reshape(xp.stack([(qh >> (3 * k)) & 7 for k in range(4)], axis=2), (-1, 32))
+        hi = bit_fields(fields["qh"], 3, 4, xp=xp)
         return xp.astype(fields["qs"], xp.int32) | (hi << 8)
 
     @classmethod
@@ -76,11 +75,7 @@ class IQ1_S(QuantType, ggml_type=GGMLType.IQ1_S, vec_dot_type="Q8_K"):
         )
 
     @classmethod
-    def quantize_blocks(cls, x: np.ndarray, *, rounding: Rounding = "ref") -> np.ndarray:
-        raise NotImplementedError("IQ1_S needs an importance matrix")
-
-    @classmethod
-    def quantize_blocks_weighted(cls, x: np.ndarray, qw: np.ndarray) -> np.ndarray:
+    def _quantize(cls, x: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
         """``quantize_row_iq1_s_impl``: sigma2 = 2*sum(x*x)/256, the exhaustive split per 32
         values, groups onto the grid; ``d = max_scale/15`` stored times 1.125."""
         n = x.shape[0]

@@ -8,10 +8,9 @@ from typing import Any
 import numpy as np
 
 from qllama.ggml_types import GGMLType
-from qllama.quants.base import Fields, IntegerForm, QuantType, Rounding
-from qllama.quants.iq2_xs import IQ2_XS
-from qllama.quants.iq_grids import IQ2S, lookup, sign_factors, sign_ints
-from qllama.quants.iq_search import GridSearch, quantize_grid
+from qllama.quants.base import Fields, IntegerForm, QuantType
+from qllama.quants.iq_grids import IQ2S, bit_fields, lookup, sign_factors, sign_ints
+from qllama.quants.iq_search import GridSearch, ImatrixQuantizer, quantize_grid
 from qllama.quants.rounding import read_fp16
 
 SEARCH = GridSearch(
@@ -27,7 +26,7 @@ SEARCH = GridSearch(
 )
 
 
-class IQ2_S(QuantType, ggml_type=GGMLType.IQ2_S, vec_dot_type="Q8_K"):
+class IQ2_S(ImatrixQuantizer, QuantType, ggml_type=GGMLType.IQ2_S, vec_dot_type="Q8_K"):
     """Super-block of 256 weights, 82 bytes: 32 groups of 8, a scale per 16::
 
         offset  0      2            34           66       74          82
@@ -57,14 +56,13 @@ class IQ2_S(QuantType, ggml_type=GGMLType.IQ2_S, vec_dot_type="Q8_K"):
     @classmethod
     def index(cls, fields: Fields, *, xp: Any) -> Any:
         """The grid index of each group, ``(n, 32)`` int32."""
-        qh = fields["qh"]
-        hi = xp.reshape(xp.stack([(qh >> (2 * i)) & 3 for i in range(4)], axis=2), (-1, 32))
-        return xp.astype(fields["qs"], xp.int32) | (xp.astype(hi, xp.int32) << 8)
+        hi = xp.astype(bit_fields(fields["qh"], 2, 4, xp=xp), xp.int32)
+        return xp.astype(fields["qs"], xp.int32) | (hi << 8)
 
     @classmethod
     def dequantize_fields(cls, fields: Fields, *, xp: Any) -> Any:
         n = fields["qs"].shape[0]
-        s = xp.astype(IQ2_XS.scale_codes(fields["scales"], xp=xp), xp.float32)
+        s = xp.astype(bit_fields(fields["scales"], 4, 2, xp=xp), xp.float32)
         db = (fields["d"] * (0.5 + s)) * 0.25  # (n, 16)
         grid = lookup(IQ2S, cls.index(fields, xp=xp), xp=xp)  # (n, 32, 8)
         y = xp.reshape(grid * sign_factors(fields["signs"], parity=False, xp=xp), (n, 16, 16))
@@ -76,25 +74,16 @@ class IQ2_S(QuantType, ggml_type=GGMLType.IQ2_S, vec_dot_type="Q8_K"):
         return IntegerForm(
             q=q.reshape(-1, 256),
             d=fields["d"],
-            scales=2 * IQ2_XS.scale_codes(fields["scales"], xp=np).astype(np.int32) + 1,
+            scales=2 * bit_fields(fields["scales"], 4, 2, xp=np).astype(np.int32) + 1,
             bound=43 * 31,
             row_scale=0.125,
         )
 
     @classmethod
-    def quantize_blocks(cls, x: np.ndarray, *, rounding: Rounding = "ref") -> np.ndarray:
-        """``quantize_row_iq2_s_ref``: the weights ``0.25*sigma2 + x*x``."""
-        cls._check_rounding(rounding)
-        return cls._quantize(x, None)
-
-    @classmethod
-    def quantize_blocks_weighted(cls, x: np.ndarray, qw: np.ndarray) -> np.ndarray:
-        return cls._quantize(x, qw)
-
-    @classmethod
     def _quantize(cls, x: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
         """``quantize_row_iq2_s_impl``: sigma2 = 2*sum(x*x)/256, plain signs, 16-value
-        sub-blocks, off-grid groups refitted; ``d = max_scale/31`` stored times 0.9875."""
+        sub-blocks, off-grid groups refitted; ``d = max_scale/31`` stored times 0.9875.
+        Without an importance matrix the weights are ``0.25*sigma2 + x*x``."""
         code = quantize_grid(
             x,
             qw,

@@ -8,9 +8,9 @@ from typing import Any
 import numpy as np
 
 from qllama.ggml_types import GGMLType
-from qllama.quants.base import Fields, IntegerForm, QuantType, Rounding
-from qllama.quants.iq_grids import IQ2XS, lookup, sign_factors, sign_ints
-from qllama.quants.iq_search import GridSearch, quantize_grid
+from qllama.quants.base import Fields, IntegerForm, QuantType
+from qllama.quants.iq_grids import IQ2XS, bit_fields, lookup, sign_factors, sign_ints
+from qllama.quants.iq_search import GridSearch, ImatrixQuantizer, quantize_grid
 from qllama.quants.rounding import read_fp16
 
 SEARCH = GridSearch(
@@ -26,7 +26,7 @@ SEARCH = GridSearch(
 )
 
 
-class IQ2_XS(QuantType, ggml_type=GGMLType.IQ2_XS, vec_dot_type="Q8_K"):
+class IQ2_XS(ImatrixQuantizer, QuantType, ggml_type=GGMLType.IQ2_XS, vec_dot_type="Q8_K"):
     """Super-block of 256 weights, 74 bytes: 32 groups of 8, a scale per 16::
 
         offset  0      2                                  66            74
@@ -53,15 +53,10 @@ class IQ2_XS(QuantType, ggml_type=GGMLType.IQ2_XS, vec_dot_type="Q8_K"):
         return {"d": read_fp16(blocks[:, :2]), "qs": qs, "scales": blocks[:, 66:74]}
 
     @classmethod
-    def scale_codes(cls, scales: Any, *, xp: Any) -> Any:
-        """``(n, 8)`` bytes -> the scale of each group of 16, ``(n, 16)``."""
-        return xp.reshape(xp.stack([scales & 15, scales >> 4], axis=2), (scales.shape[0], 16))
-
-    @classmethod
     def dequantize_fields(cls, fields: Fields, *, xp: Any) -> Any:
         qs = fields["qs"]
         n = qs.shape[0]
-        s = xp.astype(cls.scale_codes(fields["scales"], xp=xp), xp.float32)
+        s = xp.astype(bit_fields(fields["scales"], 4, 2, xp=xp), xp.float32)
         db = (fields["d"] * (0.5 + s)) * 0.25  # (n, 16)
         grid = lookup(IQ2XS, qs & 511, xp=xp)  # (n, 32, 8)
         y = xp.reshape(grid * sign_factors(qs >> 9, parity=True, xp=xp), (n, 16, 16))
@@ -74,17 +69,13 @@ class IQ2_XS(QuantType, ggml_type=GGMLType.IQ2_XS, vec_dot_type="Q8_K"):
         return IntegerForm(
             q=q.reshape(-1, 256),
             d=fields["d"],
-            scales=2 * cls.scale_codes(fields["scales"], xp=np).astype(np.int32) + 1,
+            scales=2 * bit_fields(fields["scales"], 4, 2, xp=np).astype(np.int32) + 1,
             bound=43 * 31,
             row_scale=0.125,
         )
 
     @classmethod
-    def quantize_blocks(cls, x: np.ndarray, *, rounding: Rounding = "ref") -> np.ndarray:
-        raise NotImplementedError("IQ2_XS needs an importance matrix")
-
-    @classmethod
-    def quantize_blocks_weighted(cls, x: np.ndarray, qw: np.ndarray) -> np.ndarray:
+    def _quantize(cls, x: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
         """``quantize_row_iq2_xs_impl``: sigma2 = sum(x*x)/256, parity signs, 16-value
         sub-blocks, off-grid groups refitted; ``d = max_scale/31``."""
         code = quantize_grid(

@@ -7,9 +7,9 @@ from typing import Any
 import numpy as np
 
 from qllama.ggml_types import GGMLType
-from qllama.quants.base import Fields, IntegerForm, QuantType, Rounding
-from qllama.quants.iq_grids import IQ2XXS, lookup, sign_factors, sign_ints
-from qllama.quants.iq_search import GridSearch, quantize_grid
+from qllama.quants.base import Fields, IntegerForm, QuantType
+from qllama.quants.iq_grids import IQ2XXS, bit_fields, lookup, sign_factors, sign_ints
+from qllama.quants.iq_search import GridSearch, ImatrixQuantizer, quantize_grid
 from qllama.quants.rounding import read_fp16
 
 SEARCH = GridSearch(
@@ -26,7 +26,7 @@ SEARCH = GridSearch(
 )
 
 
-class IQ2_XXS(QuantType, ggml_type=GGMLType.IQ2_XXS, vec_dot_type="Q8_K"):
+class IQ2_XXS(ImatrixQuantizer, QuantType, ggml_type=GGMLType.IQ2_XXS, vec_dot_type="Q8_K"):
     """Super-block of 256 weights, 66 bytes: eight 32-blocks of four groups of 8::
 
         offset  0      2                                                    66
@@ -62,7 +62,7 @@ class IQ2_XXS(QuantType, ggml_type=GGMLType.IQ2_XXS, vec_dot_type="Q8_K"):
         n = aux.shape[0]
         s = xp.astype((aux >> 28) & 15, xp.float32)
         db = (fields["d"] * (0.5 + s)) * 0.25  # (n, 8)
-        signs = xp.stack([(aux >> (7 * g)) & 127 for g in range(4)], axis=2)  # (n, 8, 4)
+        signs = xp.reshape(bit_fields(aux, 7, 4, xp=xp), (n, 8, 4))
         grid = lookup(IQ2XXS, fields["grid"], xp=xp)  # (n, 8, 4, 8)
         y = xp.reshape(db, (n, 8, 1, 1)) * grid * sign_factors(signs, parity=True, xp=xp)
         return xp.reshape(y, (n, 256))
@@ -70,7 +70,7 @@ class IQ2_XXS(QuantType, ggml_type=GGMLType.IQ2_XXS, vec_dot_type="Q8_K"):
     @classmethod
     def integer_form(cls, fields: Fields) -> IntegerForm:
         aux = fields["aux"]
-        signs = (aux[..., None] >> np.array([0, 7, 14, 21], dtype=np.int32)) & 127
+        signs = bit_fields(aux, 7, 4, xp=np).reshape(-1, 8, 4)
         q = IQ2XXS.ints[fields["grid"]] * sign_ints(signs, parity=True)
         return IntegerForm(
             q=q.reshape(-1, 256),
@@ -81,11 +81,7 @@ class IQ2_XXS(QuantType, ggml_type=GGMLType.IQ2_XXS, vec_dot_type="Q8_K"):
         )
 
     @classmethod
-    def quantize_blocks(cls, x: np.ndarray, *, rounding: Rounding = "ref") -> np.ndarray:
-        raise NotImplementedError("IQ2_XXS needs an importance matrix")
-
-    @classmethod
-    def quantize_blocks_weighted(cls, x: np.ndarray, qw: np.ndarray) -> np.ndarray:
+    def _quantize(cls, x: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
         """``quantize_row_iq2_xxs_impl``: sigma2 = sum(x*x)/256, parity signs, search seeded
         by ``make_qp_quants``, every group refitted; ``d = max_scale/31``."""
         code = quantize_grid(

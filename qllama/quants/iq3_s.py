@@ -8,9 +8,9 @@ from typing import Any
 import numpy as np
 
 from qllama.ggml_types import GGMLType
-from qllama.quants.base import Fields, IntegerForm, QuantType, Rounding
-from qllama.quants.iq_grids import IQ3S, lookup, sign_factors, sign_ints
-from qllama.quants.iq_search import GridSearch, quantize_grid
+from qllama.quants.base import Fields, IntegerForm, QuantType
+from qllama.quants.iq_grids import IQ3S, bit_fields, lookup, sign_factors, sign_ints
+from qllama.quants.iq_search import GridSearch, ImatrixQuantizer, quantize_grid
 from qllama.quants.rounding import read_fp16
 
 SEARCH = GridSearch(
@@ -26,7 +26,7 @@ SEARCH = GridSearch(
 )
 
 
-class IQ3_S(QuantType, ggml_type=GGMLType.IQ3_S, vec_dot_type="Q8_K"):
+class IQ3_S(ImatrixQuantizer, QuantType, ggml_type=GGMLType.IQ3_S, vec_dot_type="Q8_K"):
     """Super-block of 256 weights, 110 bytes: 64 groups of 4, signs per 8, a scale per 32::
 
         offset  0      2            66       74           106         110
@@ -62,19 +62,13 @@ class IQ3_S(QuantType, ggml_type=GGMLType.IQ3_S, vec_dot_type="Q8_K"):
     @classmethod
     def index(cls, fields: Fields, *, xp: Any) -> Any:
         """The grid index of each group of 4, ``(n, 64)`` int32."""
-        qh = fields["qh"]
-        hi = xp.reshape(xp.stack([(qh >> k) & 1 for k in range(8)], axis=2), (-1, 64))
-        return xp.astype(fields["qs"], xp.int32) | (xp.astype(hi, xp.int32) << 8)
-
-    @classmethod
-    def scale_codes(cls, scales: Any, *, xp: Any) -> Any:
-        """``(n, 4)`` bytes -> the scale of each 32-block, ``(n, 8)``."""
-        return xp.reshape(xp.stack([scales & 15, scales >> 4], axis=2), (scales.shape[0], 8))
+        hi = xp.astype(bit_fields(fields["qh"], 1, 8, xp=xp), xp.int32)
+        return xp.astype(fields["qs"], xp.int32) | (hi << 8)
 
     @classmethod
     def dequantize_fields(cls, fields: Fields, *, xp: Any) -> Any:
         n = fields["qs"].shape[0]
-        s = cls.scale_codes(fields["scales"], xp=xp)
+        s = bit_fields(fields["scales"], 4, 2, xp=xp)
         db = fields["d"] * xp.astype(1 + 2 * xp.astype(s, xp.int32), xp.float32)  # (n, 8)
         grid = xp.reshape(lookup(IQ3S, cls.index(fields, xp=xp), xp=xp), (n, 32, 8))
         y = xp.reshape(grid * sign_factors(fields["signs"], parity=False, xp=xp), (n, 8, 32))
@@ -87,24 +81,15 @@ class IQ3_S(QuantType, ggml_type=GGMLType.IQ3_S, vec_dot_type="Q8_K"):
         return IntegerForm(
             q=q.reshape(-1, 256),
             d=fields["d"],
-            scales=2 * cls.scale_codes(fields["scales"], xp=np).astype(np.int32) + 1,
+            scales=2 * bit_fields(fields["scales"], 4, 2, xp=np).astype(np.int32) + 1,
             bound=15 * 31,
         )
 
     @classmethod
-    def quantize_blocks(cls, x: np.ndarray, *, rounding: Rounding = "ref") -> np.ndarray:
-        """``quantize_row_iq3_s_ref``: the weights ``x*x``."""
-        cls._check_rounding(rounding)
-        return cls._quantize(x, None)
-
-    @classmethod
-    def quantize_blocks_weighted(cls, x: np.ndarray, qw: np.ndarray) -> np.ndarray:
-        return cls._quantize(x, qw)
-
-    @classmethod
     def _quantize(cls, x: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
         """``quantize_row_iq3_s_impl(32)``: sigma2 = 2*sum(x*x)/256, plain signs, every group
-        refitted when one was off the grid; ``d = max_scale/31`` stored times 1.033."""
+        refitted when one was off the grid; ``d = max_scale/31`` stored times 1.033. Without
+        an importance matrix the weights are ``x*x``."""
         code = quantize_grid(
             x,
             qw,

@@ -8,9 +8,9 @@ from typing import Any
 import numpy as np
 
 from qllama.ggml_types import GGMLType
-from qllama.quants.base import Fields, IntegerForm, QuantType, Rounding
-from qllama.quants.iq_grids import IQ3XXS, lookup, sign_factors, sign_ints
-from qllama.quants.iq_search import GridSearch, quantize_grid
+from qllama.quants.base import Fields, IntegerForm, QuantType
+from qllama.quants.iq_grids import IQ3XXS, bit_fields, lookup, sign_factors, sign_ints
+from qllama.quants.iq_search import GridSearch, ImatrixQuantizer, quantize_grid
 from qllama.quants.rounding import read_fp16
 
 SEARCH = GridSearch(
@@ -26,7 +26,7 @@ SEARCH = GridSearch(
 )
 
 
-class IQ3_XXS(QuantType, ggml_type=GGMLType.IQ3_XXS, vec_dot_type="Q8_K"):
+class IQ3_XXS(ImatrixQuantizer, QuantType, ggml_type=GGMLType.IQ3_XXS, vec_dot_type="Q8_K"):
     """Super-block of 256 weights, 98 bytes: 64 groups of 4, signs per 8, a scale per 32::
 
         offset  0      2                          66                              98
@@ -57,7 +57,7 @@ class IQ3_XXS(QuantType, ggml_type=GGMLType.IQ3_XXS, vec_dot_type="Q8_K"):
         n = aux.shape[0]
         s = xp.astype((aux >> 28) & 15, xp.float32)
         db = (fields["d"] * (0.5 + s)) * 0.5  # (n, 8)
-        signs = xp.stack([(aux >> (7 * g)) & 127 for g in range(4)], axis=2)  # (n, 8, 4)
+        signs = xp.reshape(bit_fields(aux, 7, 4, xp=xp), (n, 8, 4))
         grid = xp.reshape(lookup(IQ3XXS, fields["qs"], xp=xp), (n, 8, 4, 8))
         y = xp.reshape(db, (n, 8, 1, 1)) * grid * sign_factors(signs, parity=True, xp=xp)
         return xp.reshape(y, (n, 256))
@@ -65,7 +65,7 @@ class IQ3_XXS(QuantType, ggml_type=GGMLType.IQ3_XXS, vec_dot_type="Q8_K"):
     @classmethod
     def integer_form(cls, fields: Fields) -> IntegerForm:
         aux = fields["aux"]
-        signs = np.stack([(aux >> (7 * g)) & 127 for g in range(4)], axis=2)
+        signs = bit_fields(aux, 7, 4, xp=np).reshape(-1, 8, 4)
         q = IQ3XXS.ints[fields["qs"]].reshape(-1, 8, 4, 8) * sign_ints(signs, parity=True)
         return IntegerForm(
             q=q.reshape(-1, 256),
@@ -76,19 +76,10 @@ class IQ3_XXS(QuantType, ggml_type=GGMLType.IQ3_XXS, vec_dot_type="Q8_K"):
         )
 
     @classmethod
-    def quantize_blocks(cls, x: np.ndarray, *, rounding: Rounding = "ref") -> np.ndarray:
-        """``quantize_row_iq3_xxs_ref``: the weights ``x*x``."""
-        cls._check_rounding(rounding)
-        return cls._quantize(x, None)
-
-    @classmethod
-    def quantize_blocks_weighted(cls, x: np.ndarray, qw: np.ndarray) -> np.ndarray:
-        return cls._quantize(x, qw)
-
-    @classmethod
     def _quantize(cls, x: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
         """``quantize_row_iq3_xxs_impl(256)``: sigma2 = 2*sum(x*x)/256, parity signs,
-        off-grid groups refitted; ``d = max_scale/31`` stored times 1.0125."""
+        off-grid groups refitted; ``d = max_scale/31`` stored times 1.0125. Without an
+        importance matrix the weights are ``x*x``."""
         code = quantize_grid(
             x,
             qw,

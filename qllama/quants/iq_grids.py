@@ -265,6 +265,16 @@ def lookup(grid: Grid, index: Any, *, xp: Any) -> Any:
     return xp.reshape(xp.take(table, flat, axis=0), (*index.shape, grid.dims))
 
 
+def bit_fields(words: Any, width: int, count: int, *, xp: Any, stride: int | None = None) -> Any:
+    """The ``count`` fields of ``width`` bits in each word, at bits ``stride*i`` (``stride``
+    defaults to ``width``): ``(n, w)`` unsigned or int32 words -> ``(n, w * count)``, the
+    fields of word 0 first, lowest first."""
+    step = width if stride is None else stride
+    mask = (1 << width) - 1
+    fields = xp.stack([(words >> (step * i)) & mask for i in range(count)], axis=-1)
+    return xp.reshape(fields, (*words.shape[:-1], words.shape[-1] * count))
+
+
 def sign_factors(signs: Any, *, parity: bool, xp: Any) -> Any:
     """``1.0`` or ``-1.0`` for each of the 8 values of each sign byte (bit i set: value i is
     negative): ``signs.shape + (8,)`` float32. ``parity``: bits 0-6 are stored and bit 7 is

@@ -17,14 +17,40 @@ and in C's order; products keep C's left-to-right grouping.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
-from qllama.errors import WeightValueError
+from qllama.errors import ImatrixError, WeightValueError
+from qllama.quants.base import ImatrixUse, Rounding
 from qllama.quants.iq_grids import Grid
 from qllama.quants.rounding import F32, c_sum, fp16_bytes, nearest_int
 
 _CHUNK_SUBBLOCKS = 1 << 13  # sub-blocks searched at a time: the temporaries stay in cache
+
+
+class ImatrixQuantizer:
+    """The quantize entry points of an IQ type, whose one quantizer ``_quantize(x, qw)`` takes
+    the importance of each value, or None (ggml's built-in weights; types whose
+    ``imatrix_use`` is "required" refuse that, as ggml aborts)."""
+
+    imatrix_use: ClassVar[ImatrixUse]
+
+    @classmethod
+    def _quantize(cls, x: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
+        raise NotImplementedError
+
+    @classmethod
+    def quantize_blocks(cls, x: np.ndarray, *, rounding: Rounding = "ref") -> np.ndarray:
+        if rounding != "ref":
+            raise ValueError(f"{cls.__name__} quantizes with rounding ('ref',), not {rounding!r}")
+        if cls.imatrix_use == "required":
+            raise ImatrixError(f"{cls.__name__} needs an importance matrix")
+        return cls._quantize(x, None)
+
+    @classmethod
+    def quantize_blocks_weighted(cls, x: np.ndarray, qw: np.ndarray) -> np.ndarray:
+        return cls._quantize(x, qw)
 
 
 # --- weights and signs -------------------------------------------------------------------------
