@@ -16,20 +16,22 @@ from numba import njit
 from qllama.backends.cpu_quantize import JIT
 
 F32 = np.float32
+FLT_MAX = F32(np.finfo(np.float32).max)
 
 
 @njit(**JIT)
 def nearest(start, count, flat, table, variant, u, x, w, scale):
     """For each group ``g``: the grid index, among ``flat[start[u[g]]:][:count[u[g]]]``, of
     the smallest ``sum_i (w[g,i]*diff)*diff``, ``diff = scale[g]*table[variant[g], i, j] -
-    x[g, i]``; the first of equal ones. ``(m,)`` int32."""
+    x[g, i]``; the first of equal ones; -1 where none is below FLT_MAX (ggml's start value:
+    it aborts there). ``(m,)`` int32."""
     m, dims = x.shape
     out = np.empty(m, np.int32)
     for g in range(m):
         s0 = start[u[g]]
         v = variant[g]
         sc = scale[g]
-        best = F32(np.inf)
+        best = FLT_MAX
         pick = -1
         for c in range(count[u[g]]):
             j = flat[s0 + c]
@@ -37,7 +39,7 @@ def nearest(start, count, flat, table, variant, u, x, w, scale):
             for i in range(dims):
                 diff = sc * table[v, i, j] - x[g, i]
                 d2 += (w[g, i] * diff) * diff
-            if pick < 0 or d2 < best:
+            if d2 < best:
                 best = d2
                 pick = j
         out[g] = pick

@@ -189,12 +189,18 @@ def test_imatrix_errors():
         quants.quantize(x, "IQ3_S", imatrix=np.ones(256, F32))
     with pytest.raises(ImatrixError, match="NaN or infinite"):
         quants.quantize(x, "IQ2_XS", imatrix=np.full(512, np.nan, F32))
+    with pytest.raises(ImatrixError, match="negative"):
+        quants.quantize(x, "IQ1_M", imatrix=-np.ones(512, F32))
     with pytest.raises(ImatrixError, match="cannot quantize Q8_K with an importance matrix"):
         quants.quantize(x, "Q8_K", imatrix=np.ones(512, F32))
     with pytest.raises(WeightValueError, match="IQ1_S cannot quantize NaN"):
         quants.quantize(np.where(np.arange(512) == 7, np.nan, x), "IQ1_S", imatrix=x[0])
     with pytest.raises(WeightValueError, match="too large"):
         quants.quantize(np.full((1, 256), 3e38, F32), "IQ3_XXS")
+    # errors of 1e30 and more: every neighbour's overflows, where ggml asserts and aborts
+    huge = (np.random.default_rng(0).standard_normal((2, 512)) * 1e15).astype(F32)
+    with pytest.raises(WeightValueError, match="every neighbour's error overflows"):
+        quants.quantize(huge, "IQ2_XS", imatrix=np.ones(512, F32))
 
 
 @settings(max_examples=12, deadline=None)

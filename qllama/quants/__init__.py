@@ -151,6 +151,8 @@ def _imatrix(imatrix: Any, cls: type[QuantType], n: int) -> np.ndarray | None:
         raise ImatrixError(f"the importance matrix has shape {qw.shape}; {name} rows need ({n},)")
     if not np.all(np.isfinite(qw)):
         raise ImatrixError("the importance matrix has NaN or infinite values")
+    if np.any(qw < 0):  # a mean of squares; ggml's searches take square roots of weights
+        raise ImatrixError("the importance matrix has negative values")
     return qw.reshape(-1, cls.block_size)
 
 

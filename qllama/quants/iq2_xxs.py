@@ -9,7 +9,12 @@ import numpy as np
 from qllama.ggml_types import GGMLType
 from qllama.quants.base import Fields, IntegerForm, QuantType
 from qllama.quants.iq_grids import IQ2XXS, bit_fields, lookup, sign_factors, sign_ints
-from qllama.quants.iq_search import GridSearch, ImatrixQuantizer, quantize_grid
+from qllama.quants.iq_search import (
+    GridSearch,
+    ImatrixQuantizer,
+    quantize_grid,
+    sign_scale_words,
+)
 from qllama.quants.rounding import read_fp16
 
 SEARCH = GridSearch(
@@ -88,13 +93,9 @@ class IQ2_XXS(ImatrixQuantizer, QuantType, ggml_type=GGMLType.IQ2_XXS, vec_dot_t
             x, qw, SEARCH, sigma_factor=1, fallback="", parity=True, fudge=1.0, name="IQ2_XXS"
         )
         n = x.shape[0]
-        aux = (code.signs.reshape(n, 8, 4) & 127).astype(np.uint32) << np.array(
-            [0, 7, 14, 21], dtype=np.uint32
-        )
-        aux = np.bitwise_or.reduce(aux, axis=2) | (code.codes.astype(np.uint32) << 28)
         words = np.empty((n, 8, 8), dtype=np.uint8)
         words[:, :, :4] = code.index.reshape(n, 8, 4)
-        words[:, :, 4:] = aux.astype("<u4").reshape(n, 8, 1).view(np.uint8)
+        words[:, :, 4:] = sign_scale_words(code.signs, code.codes).reshape(n, 8, 4)
         out = np.empty((n, cls.type_size), dtype=np.uint8)
         out[:, :2] = code.d
         out[:, 2:] = words.reshape(n, 64)

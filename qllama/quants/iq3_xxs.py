@@ -10,7 +10,12 @@ import numpy as np
 from qllama.ggml_types import GGMLType
 from qllama.quants.base import Fields, IntegerForm, QuantType
 from qllama.quants.iq_grids import IQ3XXS, bit_fields, lookup, sign_factors, sign_ints
-from qllama.quants.iq_search import GridSearch, ImatrixQuantizer, quantize_grid
+from qllama.quants.iq_search import (
+    GridSearch,
+    ImatrixQuantizer,
+    quantize_grid,
+    sign_scale_words,
+)
 from qllama.quants.rounding import read_fp16
 
 SEARCH = GridSearch(
@@ -91,13 +96,9 @@ class IQ3_XXS(ImatrixQuantizer, QuantType, ggml_type=GGMLType.IQ3_XXS, vec_dot_t
             name="IQ3_XXS",
         )
         n = x.shape[0]
-        aux = (code.signs.reshape(n, 8, 4) & 127).astype(np.uint32) << np.array(
-            [0, 7, 14, 21], dtype=np.uint32
-        )
-        aux = np.bitwise_or.reduce(aux, axis=2) | (code.codes.astype(np.uint32) << 28)
         out = np.empty((n, cls.type_size), dtype=np.uint8)
         out[:, :2] = code.d
         out[:, 2:66] = code.index
-        out[:, 66:98] = aux.astype("<u4").view(np.uint8)
+        out[:, 66:98] = sign_scale_words(code.signs, code.codes)
         out[code.zero] = 0
         return out

@@ -37,7 +37,10 @@ from typing import Any
 import array_api_compat
 import numpy as np
 
+from qllama.errors import WeightValueError
+
 F32 = np.float32
+FLT_MAX = F32(np.finfo(np.float32).max)
 
 _IQ2XXS_MASK = (
     "eNp1UkuqxDAMk8Hdq5B3Hwd6gG7m/ld5tvPt0BENpLHkSG4/f+XDq1ZouUAAaigwxA64afWEFLXbz718+LoBQVCq"
@@ -211,7 +214,7 @@ class Grid:
             from qllama.backends import cpu_iq_search
 
             pick = np.zeros(len(u), np.int64) if which is None else which.astype(np.int64)
-            return cpu_iq_search.nearest(
+            found: np.ndarray = cpu_iq_search.nearest(
                 start,
                 count,
                 flat,
@@ -222,6 +225,8 @@ class Grid:
                 np.ascontiguousarray(w, dtype=F32),
                 np.ascontiguousarray(scale, dtype=F32),
             )
+            _check_found(found >= 0)
+            return found
         n = count[u]
         first = np.cumsum(n) - n  # where each group's candidates start
         total = int(n.sum())
@@ -234,9 +239,20 @@ class Grid:
             q = table[0, i][cand] if variant is None else table[variant, i, cand]
             diff = sc * q - np.repeat(xt[i], n)
             d2 += (np.repeat(wt[i], n) * diff) * diff
-        best = np.minimum.reduceat(d2, first)
+        best = np.minimum.reduceat(d2, first)  # no NaN: w >= 0 and x, scale*q finite
+        _check_found(best < FLT_MAX)
         pos = np.where(d2 == np.repeat(best, n), np.arange(total), total)
         return cand[np.minimum.reduceat(pos, first)]
+
+
+def _check_found(found: np.ndarray) -> None:
+    """ggml keeps a neighbour only if its error is below FLT_MAX, and aborts when none is
+    (huge values whose errors overflow float32): refuse those too."""
+    if not np.all(found):
+        raise WeightValueError(
+            "values too large for an IQ grid type: every neighbour's error overflows float32 "
+            "(ggml aborts on them)"
+        )
 
 
 IQ2XXS = Grid("iq2xxs", 8, 3, (8, 25, 43), nwant=2, mask=_IQ2XXS_MASK)

@@ -81,7 +81,9 @@ def importance(
             w = F32(0.25) * sigma2 + x2
         else:
             w = x2
-    if not (np.all(np.isfinite(w)) and np.all(np.isfinite(w * x))):
+    with np.errstate(over="ignore"):
+        wx_finite = np.all(np.isfinite(w * x))
+    if not (np.all(np.isfinite(w)) and wx_finite):
         raise WeightValueError(
             f"{name}: values too large to quantize (their squares or weights overflow float32)"
         )
@@ -102,7 +104,8 @@ def fold_signs(x: np.ndarray, w: np.ndarray, *, parity: bool) -> tuple[np.ndarra
     xval = np.where(xg >= 0, xg, -xg)  # C's `x >= 0 ? x : -x` (keeps a -0.0)
     if parity:
         odd = np.flatnonzero(neg.sum(axis=1) % 2)
-        score = (w.reshape(-1, 8)[odd] * xg[odd]) * xg[odd]
+        with np.errstate(over="ignore"):  # an inf score is one C compares too
+            score = (w.reshape(-1, 8)[odd] * xg[odd]) * xg[odd]
         imin = np.argmin(score, axis=1)  # first of equal minima, as C's strict <
         xval[odd, imin] = -xval[odd, imin]
         neg[odd, imin] = ~neg[odd, imin]
@@ -349,6 +352,16 @@ class GridSearch:
 
 
 # --- the super-block scale -------------------------------------------------------------------
+
+
+def sign_scale_words(signs: np.ndarray, codes: np.ndarray) -> np.ndarray:
+    """IQ2_XXS / IQ3_XXS: the u32 of each 32-block, its four 7-bit sign fields at bits
+    ``7l`` and its 4-bit scale at bit 28: ``(n, 32)`` sign bytes, ``(n, 8)`` codes ->
+    ``(n, 32)`` little-endian bytes."""
+    n = signs.shape[0]
+    fields = (signs.reshape(n, 8, 4) & 127).astype(np.uint32) << (7 * np.arange(4, dtype=np.uint32))
+    words = np.bitwise_or.reduce(fields, axis=2) | (codes.astype(np.uint32) << 28)
+    return words.astype("<u4").view(np.uint8)
 
 
 def scale_codes(
