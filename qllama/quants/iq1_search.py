@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from qllama.quants.iq_grids import IQ1S
+from qllama.quants.iq_grids import FLT_MAX, IQ1S
 from qllama.quants.rounding import F32, c_sum
 
 DELTA = F32(0.125)  # IQ1S_DELTA, IQ1M_DELTA
 X_P = np.array([-1 + DELTA, DELTA, 1 + DELTA], dtype=F32)  # the level values, delta +1/8
 X_M = np.array([-1 - DELTA, -DELTA, 1 - DELTA], dtype=F32)  # delta -1/8
-FLT_MAX = F32(np.finfo(np.float32).max)
 _CHUNK = 1 << 12  # sub-blocks scored at a time
 
 
