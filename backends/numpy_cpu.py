@@ -72,6 +72,7 @@ Q8_WEIGHT_TYPES = ALL_TYPES - {GGMLType.Q8_1, GGMLType.Q8_K}
 KERNEL_LEGACY = frozenset(GGMLType[n] for n in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"))
 KERNEL_KQUANTS = frozenset(GGMLType[n] for n in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"))
 KERNEL_IQ = frozenset(GGMLType[n] for n in ("IQ3_S", "IQ2_XS", "IQ2_S"))
+KERNEL_TYPES = KERNEL_LEGACY | KERNEL_KQUANTS | KERNEL_IQ
 
 # Largest |q| of an activation block: 127, or -128 where the AVX2 quantizer saturates a NaN.
 _ACT_BOUND = 128
@@ -372,7 +373,7 @@ class NumpyBackend(ArrayBackend):
     def _matmul_q8(self, x: np.ndarray, w: Packed) -> np.ndarray:
         """ggml's CPU matmul: quantize the activations once, then ``vec_dot`` by chunks."""
         if self.kernels == "numba":
-            if w.tensor.ggml_type in KERNEL_LEGACY | KERNEL_KQUANTS | KERNEL_IQ:
+            if w.tensor.ggml_type in KERNEL_TYPES:
                 return self._matmul_kernels(x, w)
             if w.tensor.ggml_type == GGMLType.F32:
                 return self._matmul_f32_view(x, w)
