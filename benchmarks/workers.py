@@ -296,12 +296,82 @@ def run_llama_cpp(job: dict) -> dict:
     return result
 
 
+# --- corpus perplexity ----------------------------------------------------------------------
+
+
+def run_perplexity(job: dict) -> dict:
+    """qllama perplexity over the corpus's first ``windows`` windows of ``n_ctx``: tokens/s
+    of the scoring loop (windows x n_ctx tokens over its wall time; one window of warm-up)."""
+    import qllama
+    from qllama import corpus, perplexity
+
+    options = dict(job["options"])
+    if options.pop("as_llama_cpp", False):
+        options.update(perplexity.LLAMA_CPP_CPU)
+    if options.get("kernels", "numba") == "numba" and not options.get("dequantize_all"):
+        import numba
+
+        numba.set_num_threads(job["threads"])
+        options.setdefault("threads", job["threads"])
+    model = qllama.load(job["file"], n_ctx=job["n_ctx"], **options)
+    ids = perplexity.tokenize(model.tokenizer, corpus.text(job["corpus"]))
+    wins = perplexity.windows(ids, job["n_ctx"], n_chunks=job["windows"])
+    score = perplexity.qllama_scorer(model)
+    score(wins.evaluated(0), wins.first)  # warm-up: numba's cached kernels, first touches
+    t = time.perf_counter()
+    scores = perplexity.run(score, wins)
+    seconds = time.perf_counter() - t
+    return {
+        "ppl_tok_s": wins.n_chunk * wins.n_ctx / seconds,
+        "ppl": scores.ppl()[0],
+        "windows": wins.n_chunk,
+        **memory_mb(),
+    }
+
+
+def run_llama_perplexity(job: dict) -> dict:
+    """llama-perplexity (the tools' binary) on the same text and windows: tokens/s from its
+    own prompt-eval timing (the decode calls), and from its wall time less loading."""
+    import re
+    import subprocess
+    import tempfile
+
+    from qllama import corpus
+
+    text = corpus.text(job["corpus"])
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        cmd = [os.path.join(job["llama_bin"], "llama-perplexity"), "-m", job["file"], "-f"]
+        cmd += [f.name, "-c", str(job["n_ctx"]), "-b", str(job["n_ctx"])]
+        cmd += ["-t", str(job["threads"]), "--chunks", str(job["windows"]), "-ngl", "0"]
+        t = time.perf_counter()
+        run = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        wall = time.perf_counter() - t
+    out = run.stdout + run.stderr
+    if run.returncode != 0:
+        raise RuntimeError(out.strip().splitlines()[-1] if out.strip() else "failed")
+    evals = re.search(r"prompt eval time =\s+([\d.]+) ms /\s+(\d+) tokens", out)
+    load = re.search(r"load time =\s+([\d.]+) ms", out)
+    ppl = re.search(r"Final estimate: PPL = ([\d.]+)", out)
+    tokens = int(evals.group(2)) if evals else job["windows"] * job["n_ctx"]
+    result = {
+        "ppl_tok_s": tokens / (float(evals.group(1)) / 1e3) if evals else None,
+        "wall_tok_s": tokens / (wall - (float(load.group(1)) / 1e3 if load else 0.0)),
+        "ppl": float(ppl.group(1)) if ppl else None,
+        "windows": job["windows"],
+    }
+    return result
+
+
 KINDS: dict[str, Callable[[dict], dict]] = {
     "qllama": run_qllama,
     "ids": run_ids,
     "warm": run_warm,
     "transformers": run_transformers,
     "llama_cpp": run_llama_cpp,
+    "perplexity": run_perplexity,
+    "llama_perplexity": run_llama_perplexity,
 }
 
 
