@@ -346,7 +346,8 @@ def run_llama_perplexity(job: dict) -> dict:
         cmd += [f.name, "-c", str(job["n_ctx"]), "-b", str(job["n_ctx"])]
         cmd += ["-t", str(job["threads"]), "--chunks", str(job["windows"]), "-ngl", "0"]
         t = time.perf_counter()
-        run = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        env = {**os.environ, "LD_LIBRARY_PATH": job["llama_bin"]}  # its shared libraries
+        run = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
         wall = time.perf_counter() - t
     out = run.stdout + run.stderr
     if run.returncode != 0:

@@ -23,6 +23,7 @@ in all), so they run in `nox -s peers` only.
 from __future__ import annotations
 
 import math
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -48,7 +49,8 @@ def llama_perplexity(llama_bin: Path, *args: str | Path) -> str:
     """Run llama-perplexity; its whole output (it logs to both streams)."""
     cmd = [str(llama_bin / "llama-perplexity"), *map(str, args)]
     cmd += ["-c", str(N_CTX), "-b", str(N_CTX), "-t", str(THREADS), "-ngl", "0"]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, check=False)
+    env = {**os.environ, "LD_LIBRARY_PATH": str(llama_bin)}  # its libllama and libggml
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, check=False, env=env)
     out = run.stdout + run.stderr
     assert run.returncode == 0, out[-3000:]
     return out
