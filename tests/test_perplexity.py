@@ -190,3 +190,19 @@ def test_statistics_print_llama_perplexity_lines():
     dp = [x for x in labels if "Δp" in x]
     assert dp[:3] == ["Mean    Δp", "Maximum Δp", "99.9%   Δp"] and "Median  Δp" in dp
     assert dp[-2:] == ["Minimum Δp", "RMS Δp    "] and labels[-1] == "Same top p"
+
+
+def test_transformers_scorer_gives_the_same_logits(tiny: Path):
+    """The f32 reference as a scorer: transformers on the same file and window (float32 in
+    another order: the forward-pass bound)."""
+    pytest.importorskip("transformers")
+    from qllama.reference import load_transformers
+
+    model = load(tiny, dequantize_all=True)
+    w = perplexity.windows(perplexity.tokenize(model.tokenizer, TEXT), 64, n_chunks=2)
+    ours = perplexity.qllama_scorer(model)(w.evaluated(1), w.first)
+    theirs = perplexity.transformers_scorer(load_transformers(tiny))(w.evaluated(1), w.first)
+    assert theirs.shape == ours.shape and theirs.dtype == np.float32
+    c = model.config
+    bound = forward_bound(c.n_layer, max(c.n_ff, 64), float(np.abs(ours).max()))
+    assert np.abs(theirs - ours).max() <= bound
