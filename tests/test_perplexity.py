@@ -206,3 +206,25 @@ def test_transformers_scorer_gives_the_same_logits(tiny: Path):
     c = model.config
     bound = forward_bound(c.n_layer, max(c.n_ff, 64), float(np.abs(ours).max()))
     assert np.abs(theirs - ours).max() <= bound
+
+
+@pytest.mark.parametrize(
+    ("precision", "stored_half", "operands_half"),
+    [("f32", False, False), ("f16", True, True), ("f16-flash", True, False)],
+)
+def test_kv_precisions_round_what_llama_cpp_rounds(precision, stored_half, operands_half):
+    """f16: llama.cpp without flash attention (K, V, Q and P in half); f16-flash: its tiled
+    CPU flash attention (K and V stored in half, Q and P float32)."""
+    from qllama.array_api import namespace
+    from qllama.kv_cache import KVCache
+
+    xp = namespace("numpy")
+    rng = np.random.default_rng(3)
+    k, v = (rng.standard_normal((5, 2, 8)).astype(np.float32) for _ in range(2))
+    cache = KVCache(1, 2, 8, xp, precision=precision)
+    cache.reserve(5)
+    ks, vs = cache.update(0, 0, k, v)
+    half = lambda a: a.astype(np.float16).astype(np.float32)  # noqa: E731
+    assert np.array_equal(ks[:5], half(k) if stored_half else k)
+    assert np.array_equal(vs[:5], half(v) if stored_half else v)
+    assert np.array_equal(cache.operand(k), half(k) if operands_half else k)
