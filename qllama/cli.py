@@ -326,6 +326,8 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
             options.update(perplexity.LLAMA_CPP_CPU)
         if args.kv:
             options["kv_precision"] = args.kv
+        if args.threads:
+            options["threads"] = args.threads
         model = load(args.file, n_ctx=n_ctx, **options)
         scorer = perplexity.qllama_scorer(model)
         setting = {"engine": "qllama", **{k: v for k, v in options.items() if v is not None}}
@@ -515,6 +517,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="the CPU arithmetic as llama.cpp's CPU backend computes it (see docs/perplexity.md)",
     )
     s.add_argument("--kv", choices=["f32", "f16", "f16-flash"], help="KV cache precision")
+    s.add_argument(
+        "--threads", type=int, help="numpy backend: the compiled kernels' threads (numba's)"
+    )
     s.add_argument("--json", help="write every number here")
     s.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     _add_backend_args(s)
