@@ -347,19 +347,30 @@ def run_llama_perplexity(job: dict) -> dict:
         cmd += ["-t", str(job["threads"]), "--chunks", str(job["windows"]), "-ngl", "0"]
         t = time.perf_counter()
         env = {**os.environ, "LD_LIBRARY_PATH": job["llama_bin"]}  # its shared libraries
-        run = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
+        run = subprocess.run(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=False, env=env
+        )  # one stream: its log lines in order, each whole
         wall = time.perf_counter() - t
-    out = run.stdout + run.stderr
+    out = run.stdout
     if run.returncode != 0:
         raise RuntimeError(out.strip().splitlines()[-1] if out.strip() else "failed")
-    evals = re.search(r"prompt eval time =\s+([\d.]+) ms /\s+(\d+) tokens", out)
-    load = re.search(r"load time =\s+([\d.]+) ms", out)
-    ppl = re.search(r"Final estimate: PPL = ([\d.]+)", out)
-    tokens = int(evals.group(2)) if evals else job["windows"] * job["n_ctx"]
+    # the scoring loop: from its "calculating perplexity" line to "Final estimate", by the
+    # log's own timestamps (minutes.seconds.milliseconds.microseconds; this build prints no
+    # perf lines)
+    stamp = r"^(\d+)\.(\d+)\.(\d+)\.(\d+) I "
+    begin = re.search(stamp + r"perplexity: calculating", out, re.M)
+    end = re.search(stamp + r"Final estimate: PPL = ([\d.]+)", out, re.M)
+
+    def seconds(m: re.Match[str]) -> float:
+        mi, se, ms, us = (int(x) for x in m.groups()[:4])
+        return 60 * mi + se + ms / 1e3 + us / 1e6
+
+    tokens = job["windows"] * job["n_ctx"]
+    loop = seconds(end) - seconds(begin) if begin and end else None
     result = {
-        "ppl_tok_s": tokens / (float(evals.group(1)) / 1e3) if evals else None,
-        "wall_tok_s": tokens / (wall - (float(load.group(1)) / 1e3 if load else 0.0)),
-        "ppl": float(ppl.group(1)) if ppl else None,
+        "ppl_tok_s": tokens / loop if loop else None,
+        "wall_tok_s": tokens / wall,
+        "ppl": float(end.group(5)) if end else None,
         "windows": job["windows"],
     }
     return result

@@ -50,8 +50,11 @@ def llama_perplexity(llama_bin: Path, *args: str | Path) -> str:
     cmd = [str(llama_bin / "llama-perplexity"), *map(str, args)]
     cmd += ["-c", str(N_CTX), "-b", str(N_CTX), "-t", str(THREADS), "-ngl", "0"]
     env = {**os.environ, "LD_LIBRARY_PATH": str(llama_bin)}  # its libllama and libggml
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, check=False, env=env)
-    out = run.stdout + run.stderr
+    run = subprocess.run(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=3600,
+        check=False, env=env,
+    )  # fmt: skip
+    out = run.stdout  # both streams in order: a line is never split between them
     assert run.returncode == 0, out[-3000:]
     return out
 
