@@ -110,4 +110,8 @@ def bench(session: nox.Session) -> None:
         session.install(llama_cpp_wheel(session))
     except nox.command.CommandFailed:
         note = ["--llama-note", f"llama-cpp-python did not build ({LLAMA_CPP_BUILD} wheel)"]
+    try:  # llama-perplexity, for the corpus perplexity rows
+        note += ["--llama-bin", llama_cpp_tools(session)]
+    except nox.command.CommandFailed:
+        pass
     session.run("python", "benchmarks/bench.py", *note, *session.posargs)
