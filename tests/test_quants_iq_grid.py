@@ -4,6 +4,8 @@ tools/ggml_iq_grid_vectors.py), and the properties their quantizers have by cons
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from bounds import reorder_bound
@@ -33,9 +35,7 @@ BUDGETS = {"IQ2_S": 0.0075, "IQ3_S": 0.0040, "IQ3_XXS": 0.0050}
 
 @pytest.fixture(scope="module")
 def vectors() -> dict[str, np.ndarray]:
-    from conftest import DATA
-
-    with np.load(DATA / "ggml_vectors_iq_grid.npz") as z:
+    with np.load(Path(__file__).parent / "data" / "ggml_vectors_iq_grid.npz") as z:
         return {k: z[k] for k in z.files}
 
 
