@@ -75,6 +75,11 @@ class WeightValueError(QllamaError):
     """A weight or block scale is NaN or infinite."""
 
 
+class ImatrixError(QllamaError):
+    """An importance matrix is missing where one is required, malformed, or does not fit the
+    model (a name that matches no tensor, a wrong length, a NaN)."""
+
+
 # --- model, tokenizer, runtime --------------------------------------------------------------
 
 

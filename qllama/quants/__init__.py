@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from qllama.array_api import namespace
-from qllama.errors import TensorShapeError, UnsupportedTensorTypeError
+from qllama.errors import ImatrixError, TensorShapeError, UnsupportedTensorTypeError
 from qllama.ggml_types import GGMLType
 
 # Importing a type's module registers its class.
@@ -28,6 +28,12 @@ from qllama.quants import (  # noqa: F401
     bf16,
     f16,
     f32,
+    iq4_nl,
+    iq4_xs,
+    mxfp4,
+    nvfp4,
+    q1_0,
+    q2_0,
     q2_k,
     q3_k,
     q4_0,
@@ -40,6 +46,8 @@ from qllama.quants import (  # noqa: F401
     q8_0,
     q8_1,
     q8_k,
+    tq1_0,
+    tq2_0,
 )
 from qllama.quants.base import REGISTRY, Fields, QuantType, Rounding
 
@@ -84,12 +92,23 @@ def _rows(x: np.ndarray) -> np.ndarray:
     return x.reshape(-1, x.shape[-1])
 
 
-def quantize(x: Any, qtype: str | int | GGMLType, *, rounding: Rounding = "ref") -> np.ndarray:
+def quantize(
+    x: Any,
+    qtype: str | int | GGMLType,
+    *,
+    rounding: Rounding = "ref",
+    imatrix: Any = None,
+) -> np.ndarray:
     """Quantize float rows to GGML blocks, bit-exact with ``ggml_quantize_chunk``.
 
     ``x`` has shape ``(..., n)``, rows along the last axis; ``n`` must be a multiple of the
     type's block size. Returns uint8 of shape ``(rows, row_bytes)``. ``rounding="simd"``
     selects the tie rounding of ggml's AVX2/NEON activation quantizers where it differs.
+
+    ``imatrix`` is an importance matrix for these rows: ``n`` non-negative floats, one per
+    column (what llama-quantize passes to ggml: the mean of the squared activations entering
+    the column). Types that ignore it give the same bytes either way; IQ2_XXS, IQ2_XS and
+    IQ1_S cannot be quantized without one.
     """
     cls = get(qtype)
     rows = _rows(np.asarray(x, dtype=np.float32))
@@ -99,6 +118,13 @@ def quantize(x: Any, qtype: str | int | GGMLType, *, rounding: Rounding = "ref")
             f"row length {n} is not a multiple of the {cls.ggml_type.name} block size "
             f"{cls.block_size}"
         )
+    if imatrix is None and cls.imatrix_use == "required":
+        raise ImatrixError(
+            f"{cls.ggml_type.name} cannot be quantized without an importance matrix "
+            "(ggml requires one)"
+        )
+    if imatrix is not None and cls.imatrix_use != "ignored":
+        return _quantize_weighted(cls, rows, _check_imatrix(imatrix, n))
     blocks = rows.reshape(-1, cls.block_size)
     step = max(1, _CHUNK_ELEMENTS // cls.block_size)
     out = np.empty((blocks.shape[0], cls.type_size), dtype=np.uint8)
@@ -106,6 +132,29 @@ def quantize(x: Any, qtype: str | int | GGMLType, *, rounding: Rounding = "ref")
         chunk = np.ascontiguousarray(blocks[start : start + step])
         out[start : start + step] = cls.quantize_blocks(chunk, rounding=rounding)
     return out.reshape(rows.shape[0], n // cls.block_size * cls.type_size)
+
+
+def _check_imatrix(imatrix: Any, n: int) -> np.ndarray:
+    """An importance matrix for rows of ``n``: ``n`` finite float32 values (llama-quantize
+    refuses non-finite ones)."""
+    qw = np.asarray(imatrix, dtype=np.float32)
+    if qw.shape != (n,):
+        raise ImatrixError(
+            f"an importance matrix for rows of {n} needs {n} values, got shape {qw.shape}"
+        )
+    if not np.isfinite(qw).all():
+        raise ImatrixError("the importance matrix has non-finite values")
+    return qw
+
+
+def _quantize_weighted(cls: type[QuantType], rows: np.ndarray, qw: np.ndarray) -> np.ndarray:
+    """``cls.quantize_weighted`` a bounded number of rows at a time."""
+    step = max(1, _CHUNK_ELEMENTS // max(1, rows.shape[1]))
+    out = np.empty((rows.shape[0], rows.shape[1] // cls.block_size * cls.type_size), np.uint8)
+    for start in range(0, rows.shape[0], step):
+        part = np.ascontiguousarray(rows[start : start + step])
+        out[start : start + step] = cls.quantize_weighted(part, qw)
+    return out
 
 
 def _blocks(data: Any, cls: type[QuantType], shape: Sequence[int]) -> np.ndarray:

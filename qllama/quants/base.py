@@ -13,6 +13,11 @@ from qllama.ggml_types import GGMLType
 # (quantize_row_*_ref), "simd" is what its AVX2 / NEON builds do.
 Rounding = Literal["ref", "simd"]
 
+# What ggml_quantize_chunk does with an importance matrix for a type: "ignored" (the same
+# bytes either way), "optional" (a weighted search with it, the reference without) or
+# "required" (ggml aborts without one: IQ2_XXS, IQ2_XS, IQ1_S).
+ImatrixUse = Literal["ignored", "optional", "required"]
+
 Fields = dict[str, Any]  # named field arrays of a batch of blocks, numpy or any xp
 
 REGISTRY: dict[str, type[QuantType]] = {}
@@ -32,7 +37,11 @@ class IntegerForm:
 
     and then in float32 ``(d*y.d)*isum + m*y.s - (dmin*y.d)*msum``, each term present when
     its fields are. ggml's generic C accumulates those over the blocks of a row in order;
-    ``lanes`` and ``sumi_first`` record the two places where its order is not that one.
+    ``lanes``, ``sumi_first``, ``post`` and ``group`` record the places where its order is
+    not that one.
+
+    A block here may be smaller than the activation type's (NVFP4's 16, IQ4_XS's 32 against
+    Q8_K's 256): each then takes ``y.d`` of the activation block it lies in.
     """
 
     q: np.ndarray  # (n, block_size) int8: the integer each element enters the dot product as
@@ -48,6 +57,11 @@ class IntegerForm:
     lanes: int = 1
     # Q4_0's generic dot product scales as (sumi*d)*y.d, every other as (d*y.d)*sumi.
     sumi_first: bool = False
+    # IQ4_XS: a float factor per block applied after d*y.d, ((d*y.d)*post)*sumi.
+    post: np.ndarray | None = None  # (n, 1) float32
+    # Q1_0 / Q2_0: a weight block spans ``group`` activation blocks (the rows of ``q`` here);
+    # ggml sums y.d*sumi over them in float32 and multiplies the sum by d.
+    group: int = 1
 
     @property
     def sub_size(self) -> int:
@@ -72,6 +86,12 @@ class QuantType:
       numpy fields -> :class:`IntegerForm`, what the CPU arithmetic multiplies.
     * ``quantize_blocks(x)``: ``(n_blocks, block_size)`` float32 -> bytes, bit-exact with
       ggml's reference quantizer (``ggml_quantize_chunk`` without importance matrix).
+    * ``quantize_weighted(rows, imatrix)`` (types whose ``imatrix_use`` is not "ignored"):
+      ``(n_rows, n)`` float32 and the ``(n,)`` per-column importances -> ``(n_rows,
+      row_bytes)``, bit-exact with ``ggml_quantize_chunk`` given that importance matrix. The
+      default splits rows into blocks and calls ``quantize_blocks_weighted(x, qw)`` with each
+      block's slice of the importances; types whose weights depend on the whole row
+      (Q4_0 .. Q5_1) override it.
     """
 
     ggml_type: ClassVar[GGMLType]
@@ -79,6 +99,7 @@ class QuantType:
     type_size: ClassVar[int]  # bytes per block
     vec_dot_type: ClassVar[str]  # the type ggml's CPU quantizes activations to for this weight
     roundings: ClassVar[tuple[str, ...]] = ("ref",)  # tie roundings quantize_blocks offers
+    imatrix_use: ClassVar[ImatrixUse] = "ignored"
 
     def __init_subclass__(cls, *, ggml_type: GGMLType, vec_dot_type: str, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -108,6 +129,24 @@ class QuantType:
     @classmethod
     def quantize_blocks(cls, x: np.ndarray, *, rounding: Rounding = "ref") -> np.ndarray:
         raise NotImplementedError(f"{cls.ggml_type.name} has no quantizer")
+
+    @classmethod
+    def quantize_weighted(cls, rows: np.ndarray, imatrix: np.ndarray) -> np.ndarray:
+        """``ggml_quantize_chunk`` with an importance matrix (see the class docstring)."""
+        n_rows, n = rows.shape
+        per_row = n // cls.block_size
+        blocks = rows.reshape(n_rows * per_row, cls.block_size)
+        # every row is weighted by the same importances: (n_rows, per_row, block) -> blocks
+        qw = np.broadcast_to(
+            imatrix.reshape(1, per_row, cls.block_size), (n_rows, per_row, cls.block_size)
+        )
+        out = cls.quantize_blocks_weighted(blocks, np.ascontiguousarray(qw).reshape(blocks.shape))
+        return out.reshape(n_rows, per_row * cls.type_size)
+
+    @classmethod
+    def quantize_blocks_weighted(cls, x: np.ndarray, qw: np.ndarray) -> np.ndarray:
+        """``(n_blocks, block_size)`` float32 values and importances -> bytes."""
+        raise NotImplementedError(f"{cls.ggml_type.name} has no importance-weighted quantizer")
 
     @classmethod
     def _check_rounding(cls, rounding: str) -> None:
