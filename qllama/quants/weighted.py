@@ -13,6 +13,8 @@ own (the sums of their elements' weights), by ``make_qx_quants`` (Q3_K) or ``mak
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from qllama.quants.kquant_search import (
@@ -28,7 +30,7 @@ from qllama.quants.rounding import F32, c_sum, fp16, fp16_bytes
 
 QK_K = 256
 # make_qkx3_quants' search, as every impl calls it; it is make_qkx2_quants' loop exactly
-QKX3 = {"rmin": -0.9, "rdelta": 0.05, "nstep": 36, "use_mad": False}
+QKX3: dict[str, Any] = {"rmin": -0.9, "rdelta": 0.05, "nstep": 36, "use_mad": False}
 
 
 def _sum_squares(x: np.ndarray) -> np.ndarray:
@@ -61,8 +63,14 @@ def offset_32(x: np.ndarray, w: np.ndarray, nmax: int) -> tuple[np.ndarray, np.n
     Returns the float32 scale, the min (``<= 0``, what ggml stores as ``m``), ``(n, 1)``
     each, and ``L`` ``(n, 32)``."""
     lq, scale, the_min = make_qkx2_quants(
-        np.ascontiguousarray(x.T), np.ascontiguousarray(w.T), nmax=nmax, **QKX3
-    )
+        np.ascontiguousarray(x.T),
+        np.ascontiguousarray(w.T),
+        nmax=nmax,
+        rmin=-0.9,
+        rdelta=0.05,
+        nstep=36,
+        use_mad=False,
+    )  # QKX3
     return scale.reshape(-1, 1), (-the_min).reshape(-1, 1), lq.T
 
 
