@@ -467,7 +467,6 @@ def from_corpus(
     llama-imatrix computes) and :func:`compute` its importance matrix over ``text``."""
     from qllama.backends import get_backend
     from qllama.loader import load
-
     from qllama.tokenizer import Tokenizer
 
     # the corpus first: a short one is refused before the model is built
