@@ -229,7 +229,7 @@ def file_type(label: str | FileType) -> FileType:
         ft: FileType | None = label
     else:
         key = label.upper()
-        ft = FILE_TYPES.get(key) or ALIASES.get(key)
+        ft = FILE_TYPES[key] if key in FILE_TYPES else ALIASES.get(key)  # ALL_F32 is 0
     if ft is None or ft not in DEFAULT_TYPES:
         raise ModelConfigError(
             f"unknown file type {label!r}; choose one of {', '.join(FILE_TYPES)}"

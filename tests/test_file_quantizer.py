@@ -263,3 +263,11 @@ def test_experts_are_quantized_with_their_own_slice(tmp_path):
     got = read_gguf(tmp_path / "q.gguf").tensor_data("blk.0.ffn_up_exps.weight").reshape(2, -1)
     for e in range(2):
         np.testing.assert_array_equal(got[e], quants.quantize(x[e], "Q4_K", imatrix=qw[e]).ravel())
+
+
+def test_every_llama_quantize_name_parses():
+    from qllama.file_quantizer import file_type
+
+    assert file_type("F32").label == "F32" and file_type("f16").label == "F16"
+    assert file_type("Q4_K").label == "Q4_K_M" and file_type("q3_k").label == "Q3_K_M"
+    assert all(file_type(label).label == label for label in FILE_TYPES)

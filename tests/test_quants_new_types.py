@@ -217,8 +217,9 @@ def test_cpu_matmul_is_ggmls_generic_c_bit_for_bit(qtype, v):
 def test_cpu_matmul_is_ggmls_simd_kernel_up_to_the_order_of_sums(qtype, v):
     backend = NumpyBackend(kernels="numpy", activation_rounding="simd")
     acts, w = v["acts_f32"], weight(v, qtype)
-    finite = np.isfinite(quants.dequantize(w.data, qtype, w.shape)).all(axis=1)
-    got = backend.matmul(acts, backend.prepare(w))[:, finite]
+    with np.errstate(all="ignore"):  # the fp16-overflow row: compared with NaNs above
+        finite = np.isfinite(quants.dequantize(w.data, qtype, w.shape)).all(axis=1)
+        got = backend.matmul(acts, backend.prepare(w))[:, finite]
     want = v[f"w/{qtype}/vec_dot_cpu"].T[:, finite]
     # the same exact block sums, added in another order (and with FMAs): a reordering of a
     # dot product of the dequantized operands (tests/bounds.py)

@@ -32,21 +32,41 @@ def lookup(table: np.ndarray, codes: Any, *, xp: Any) -> Any:
     return xp.reshape(xp.take(t, flat, axis=0), codes.shape)
 
 
+def _midpoint_table() -> np.ndarray:
+    """For every integer k in [-256, 256], how many midpoints m between neighbouring levels
+    have 2m <= k (the 2m are integers)."""
+    twice_mid = KVALUES[:-1].astype(np.int64) + KVALUES[1:]
+    k = np.arange(-256, 257)
+    return (twice_mid[None, :] <= k[:, None]).sum(axis=1).astype(np.uint8)
+
+
+_BELOW = _midpoint_table()
+
+
 def best_index(x: np.ndarray) -> np.ndarray:
     """ggml ``best_index_int8(16, kvalues_iq4nl, x)`` elementwise: the nearest level's index.
 
-    Below the first level 0, above the last 15; between two levels the upper one unless the
-    lower is strictly nearer (exact midpoints go up); NaN gives 15 (every comparison of C's
-    binary search fails).
+    Below the first level 0, above the last 15; between two levels a, b the lower one only if
+    ``x - a < b - x`` in float32 (exact midpoints go up); NaN gives 15 (every comparison of
+    C's binary search fails).
+
+    That is the number of midpoints m <= x: near a midpoint both differences are exact in
+    float32 (|x| >= 4.5 there, so x's ulp resolves a half-gap of at most 12), and away from
+    one rounding cannot reverse their order. The midpoints are multiples of 1/2, so m <= x
+    exactly when 2m <= floor(2x): one table lookup.
     """
     x = np.asarray(x, dtype=F32)
     with np.errstate(invalid="ignore"):
-        mu = np.clip(np.searchsorted(_LEVELS, x, side="right"), 1, 15)  # levels[mu-1] <= x
-        lower = (x - _LEVELS[mu - 1]) < (_LEVELS[mu] - x)
-    idx = np.where(lower, mu - 1, mu)
-    idx = np.where(x <= _LEVELS[0], 0, idx)
-    idx = np.where((x >= _LEVELS[15]) | np.isnan(x), 15, idx)
-    return idx.astype(np.uint8)
+        k = np.clip(np.floor(F32(2) * x), -256, 256)
+    idx = _BELOW[k.astype(np.int32) + 256] if not np.isnan(k).any() else _with_nan(x, k)
+    return idx
+
+
+def _with_nan(x: np.ndarray, k: np.ndarray) -> np.ndarray:
+    nan = np.isnan(x)
+    idx = _BELOW[np.where(nan, F32(0), k).astype(np.int32) + 256]
+    idx[nan] = 15
+    return idx
 
 
 def block_weights(x: np.ndarray, qw: np.ndarray | None) -> np.ndarray:

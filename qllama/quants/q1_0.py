@@ -28,7 +28,11 @@ class Q1_0(QuantType, ggml_type=GGMLType.Q1_0, vec_dot_type="Q8_0"):
 
     @classmethod
     def unpack(cls, blocks: np.ndarray) -> Fields:
-        return {"d": read_fp16(blocks[:, :2]), "qs": blocks[:, 2:]}
+        # ggml widens fp16 with a multiply, which quiets a signalling NaN; the other types
+        # multiply the scale again, Q1_0 only selects it
+        d = read_fp16(blocks[:, :2])
+        quiet = (d.view(np.uint32) | np.uint32(0x00400000)).view(F32)
+        return {"d": np.where(np.isnan(d), quiet, d), "qs": blocks[:, 2:]}
 
     @classmethod
     def bits(cls, fields: Fields, *, xp: Any) -> Any:
