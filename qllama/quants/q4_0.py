@@ -50,9 +50,7 @@ class Q4_0(QuantType, ggml_type=GGMLType.Q4_0, vec_dot_type="Q8_0"):
     @classmethod
     def quantize_weighted(cls, rows: np.ndarray, imatrix: np.ndarray) -> np.ndarray:
         """quantize_row_q4_0_impl: make_qx_quants(32, 8, ...) on weights over the row."""
-        w = weighted.row_weights(rows, imatrix)
-        d, q = weighted.symmetric_32(rows.reshape(-1, 32), w.reshape(-1, 32), 8)
-        return cls._pack(d, q).reshape(rows.shape[0], -1)
+        return weighted.legacy_rows(rows, imatrix, 8, cls._pack, offset=False)
 
     @classmethod
     def _pack(cls, d: np.ndarray, q: np.ndarray) -> np.ndarray:

@@ -50,9 +50,7 @@ class Q5_0(QuantType, ggml_type=GGMLType.Q5_0, vec_dot_type="Q8_0"):
     @classmethod
     def quantize_weighted(cls, rows: np.ndarray, imatrix: np.ndarray) -> np.ndarray:
         """quantize_row_q5_0_impl: make_qx_quants(32, 16, ...) on weights over the row."""
-        w = weighted.row_weights(rows, imatrix)
-        d, q = weighted.symmetric_32(rows.reshape(-1, 32), w.reshape(-1, 32), 16)
-        return cls._pack(d, q).reshape(rows.shape[0], -1)
+        return weighted.legacy_rows(rows, imatrix, 16, cls._pack, offset=False)
 
     @classmethod
     def _pack(cls, d: np.ndarray, q: np.ndarray) -> np.ndarray:

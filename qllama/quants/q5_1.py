@@ -61,9 +61,7 @@ class Q5_1(QuantType, ggml_type=GGMLType.Q5_1, vec_dot_type="Q8_1"):
     @classmethod
     def quantize_weighted(cls, rows: np.ndarray, imatrix: np.ndarray) -> np.ndarray:
         """quantize_row_q5_1_impl: make_qkx3_quants(32, 31, ...) on weights over the row."""
-        w = weighted.row_weights(rows, imatrix)
-        d, mn, q = weighted.offset_32(rows.reshape(-1, 32), w.reshape(-1, 32), 31)
-        return cls._pack(d, mn, q).reshape(rows.shape[0], -1)
+        return weighted.legacy_rows(rows, imatrix, 31, cls._pack, offset=True)
 
     @classmethod
     def _pack(cls, d: np.ndarray, mn: np.ndarray, q: np.ndarray) -> np.ndarray:

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from qllama.quants.base import IntegerForm
+from qllama.quants.base import Fields, IntegerForm
 from qllama.quants.rounding import c_int32, round_away, running_absmax, safe_reciprocal
 
 
@@ -25,12 +25,21 @@ def trits(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return d, t
 
 
-def values(codes: Any, d: Any, *, xp: Any) -> Any:
-    """``(float)(q - 1) * d``: codes 0..2 (any integer dtype) and ``(n, 1)`` scales."""
-    return xp.astype(xp.astype(codes, xp.int16) - 1, xp.float32) * d
+class TernaryBlocks:
+    """Dequantize and integer form of a ternary format from its ``codes`` (0..2 per element,
+    ``(n, 256)`` in element order) and its fp16 ``d``: value ``(float)(q - 1) * d``, one
+    integer sum per block in the dot product."""
 
+    @classmethod
+    def codes(cls, fields: Fields, *, xp: Any) -> Any:
+        raise NotImplementedError
 
-def integer_form(codes: np.ndarray, d: np.ndarray) -> IntegerForm:
-    """``(n, 256)`` codes 0..2 in element order and the fp16 scale, as the dot product sees
-    them (one integer sum per block)."""
-    return IntegerForm(q=(codes.astype(np.int16) - 1).astype(np.int8), d=d, bound=1)
+    @classmethod
+    def dequantize_fields(cls, fields: Fields, *, xp: Any) -> Any:
+        q = xp.astype(cls.codes(fields, xp=xp), xp.int16) - 1
+        return xp.astype(q, xp.float32) * fields["d"]
+
+    @classmethod
+    def integer_form(cls, fields: Fields) -> IntegerForm:
+        q = (cls.codes(fields, xp=np).astype(np.int16) - 1).astype(np.int8)
+        return IntegerForm(q=q, d=fields["d"], bound=1)

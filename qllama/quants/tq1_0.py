@@ -8,13 +8,13 @@ import numpy as np
 
 from qllama.ggml_types import GGMLType
 from qllama.quants import ternary
-from qllama.quants.base import Fields, IntegerForm, QuantType, Rounding
+from qllama.quants.base import Fields, QuantType, Rounding
 from qllama.quants.rounding import fp16_bytes, read_fp16
 
 _POW3 = (1, 3, 9, 27, 81)
 
 
-class TQ1_0(QuantType, ggml_type=GGMLType.TQ1_0, vec_dot_type="Q8_K"):
+class TQ1_0(ternary.TernaryBlocks, QuantType, ggml_type=GGMLType.TQ1_0, vec_dot_type="Q8_K"):
     """Super-block of 256 ternary weights, 54 bytes; ``d`` comes last::
 
         offset 0                      32              48      52     54
@@ -52,14 +52,6 @@ class TQ1_0(QuantType, ggml_type=GGMLType.TQ1_0, vec_dot_type="Q8_K"):
             ],
             axis=1,
         )
-
-    @classmethod
-    def dequantize_fields(cls, fields: Fields, *, xp: Any) -> Any:
-        return ternary.values(cls.codes(fields, xp=xp), fields["d"], xp=xp)
-
-    @classmethod
-    def integer_form(cls, fields: Fields) -> IntegerForm:
-        return ternary.integer_form(cls.codes(fields, xp=np), fields["d"])
 
     @classmethod
     def quantize_blocks(cls, x: np.ndarray, *, rounding: Rounding = "ref") -> np.ndarray:

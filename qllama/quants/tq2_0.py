@@ -8,13 +8,13 @@ import numpy as np
 
 from qllama.ggml_types import GGMLType
 from qllama.quants import ternary
-from qllama.quants.base import Fields, IntegerForm, QuantType, Rounding
+from qllama.quants.base import Fields, QuantType, Rounding
 from qllama.quants.rounding import fp16_bytes, read_fp16
 
 _SHIFTS = np.array([0, 2, 4, 6], dtype=np.int64)
 
 
-class TQ2_0(QuantType, ggml_type=GGMLType.TQ2_0, vec_dot_type="Q8_K"):
+class TQ2_0(ternary.TernaryBlocks, QuantType, ggml_type=GGMLType.TQ2_0, vec_dot_type="Q8_K"):
     """Super-block of 256 ternary weights, 66 bytes; ``d`` comes last::
 
         offset 0                                      64     66
@@ -39,14 +39,6 @@ class TQ2_0(QuantType, ggml_type=GGMLType.TQ2_0, vec_dot_type="Q8_K"):
         n = qs.shape[0]
         q = xp.reshape(qs, (n, 2, 1, 32))
         return xp.reshape(xp.concat([(q >> (2 * j)) & 3 for j in range(4)], axis=2), (n, 256))
-
-    @classmethod
-    def dequantize_fields(cls, fields: Fields, *, xp: Any) -> Any:
-        return ternary.values(cls.codes(fields, xp=xp), fields["d"], xp=xp)
-
-    @classmethod
-    def integer_form(cls, fields: Fields) -> IntegerForm:
-        return ternary.integer_form(cls.codes(fields, xp=np), fields["d"])
 
     @classmethod
     def quantize_blocks(cls, x: np.ndarray, *, rounding: Rounding = "ref") -> np.ndarray:

@@ -13,6 +13,7 @@ own (the sums of their elements' weights), by ``make_qx_quants`` (Q3_K) or ``mak
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -49,6 +50,22 @@ def super_block_weights(x: np.ndarray, qw: np.ndarray, factor: int) -> np.ndarra
     super-block, ``sigma2 = factor * sum(x**2) / 256``."""
     sigma2 = F32(factor) * _sum_squares(x) / F32(QK_K)  # C: factor*sumx2/QK_K (exact *1, *2)
     return qw * np.sqrt(sigma2[:, None] + x * x)
+
+
+def legacy_rows(
+    rows: np.ndarray,
+    imatrix: np.ndarray,
+    nmax: int,
+    pack: Callable[..., np.ndarray],
+    *,
+    offset: bool,
+) -> np.ndarray:
+    """Q4_0 / Q5_0 (``offset`` False: :func:`symmetric_32`) and Q4_1 / Q5_1 (True:
+    :func:`offset_32`) rows with weights over the whole row, packed by the type's ``pack``
+    (scales, [mins,] codes) into ``(n_rows, row_bytes)``."""
+    w = row_weights(rows, imatrix).reshape(-1, 32)
+    fit = offset_32 if offset else symmetric_32
+    return pack(*fit(rows.reshape(-1, 32), w, nmax)).reshape(rows.shape[0], -1)
 
 
 def symmetric_32(x: np.ndarray, w: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
