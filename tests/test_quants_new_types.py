@@ -107,6 +107,10 @@ def test_imatrix_is_checked():
         quants.quantize(x, "IQ4_XS", imatrix=np.ones(255, F32))
     with pytest.raises(ImatrixError, match="non-finite"):
         quants.quantize(x, "IQ4_XS", imatrix=np.full(256, np.nan, F32))
+    with pytest.raises(ImatrixError, match="negative"):
+        quants.quantize(x, "IQ4_XS", imatrix=np.full(256, -1, F32))
+    with pytest.raises(ImatrixError, match="cannot quantize Q8_K with an importance matrix"):
+        quants.quantize(x, "Q8_K", imatrix=np.ones(256, F32))
 
 
 def test_types_that_require_an_imatrix_refuse_to_go_without(monkeypatch):

@@ -123,7 +123,10 @@ def quantize(
             f"{cls.ggml_type.name} cannot be quantized without an importance matrix "
             "(ggml requires one)"
         )
+    if imatrix is not None and cls.imatrix_use == "none":
+        raise ImatrixError(f"qllama cannot quantize {cls.ggml_type.name} with an importance matrix")
     if imatrix is not None and cls.imatrix_use != "ignored":
+        cls._check_rounding(rounding)
         return _quantize_weighted(cls, rows, _check_imatrix(imatrix, n))
     blocks = rows.reshape(-1, cls.block_size)
     step = max(1, _CHUNK_ELEMENTS // cls.block_size)
@@ -144,6 +147,8 @@ def _check_imatrix(imatrix: Any, n: int) -> np.ndarray:
         )
     if not np.isfinite(qw).all():
         raise ImatrixError("the importance matrix has non-finite values")
+    if (qw < 0).any():  # a mean of squares; ggml's searches take square roots of weights
+        raise ImatrixError("the importance matrix has negative values")
     return qw
 
 

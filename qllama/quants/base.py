@@ -13,10 +13,11 @@ from qllama.ggml_types import GGMLType
 # (quantize_row_*_ref), "simd" is what its AVX2 / NEON builds do.
 Rounding = Literal["ref", "simd"]
 
-# What ggml_quantize_chunk does with an importance matrix for a type: "ignored" (the same
-# bytes either way), "optional" (a weighted search with it, the reference without) or
-# "required" (ggml aborts without one: IQ2_XXS, IQ2_XS, IQ1_S).
-ImatrixUse = Literal["ignored", "optional", "required"]
+# What ggml_quantize_chunk does with an importance matrix for a type, as far as qllama
+# implements it: "ignored" (the same bytes either way), "optional" (a weighted search with it,
+# the reference without), "required" (ggml aborts without one: IQ2_XXS, IQ2_XS, IQ1_S), or
+# "none" (qllama has no weighted quantizer for the type: an importance matrix is refused).
+ImatrixUse = Literal["none", "optional", "required", "ignored"]
 
 Fields = dict[str, Any]  # named field arrays of a batch of blocks, numpy or any xp
 
@@ -86,7 +87,8 @@ class QuantType:
       numpy fields -> :class:`IntegerForm`, what the CPU arithmetic multiplies.
     * ``quantize_blocks(x)``: ``(n_blocks, block_size)`` float32 -> bytes, bit-exact with
       ggml's reference quantizer (``ggml_quantize_chunk`` without importance matrix).
-    * ``quantize_weighted(rows, imatrix)`` (types whose ``imatrix_use`` is not "ignored"):
+    * ``quantize_weighted(rows, imatrix)`` (types whose ``imatrix_use`` is "optional" or
+      "required"):
       ``(n_rows, n)`` float32 and the ``(n,)`` per-column importances -> ``(n_rows,
       row_bytes)``, bit-exact with ``ggml_quantize_chunk`` given that importance matrix. The
       default splits rows into blocks and calls ``quantize_blocks_weighted(x, qw)`` with each
@@ -99,7 +101,7 @@ class QuantType:
     type_size: ClassVar[int]  # bytes per block
     vec_dot_type: ClassVar[str]  # the type ggml's CPU quantizes activations to for this weight
     roundings: ClassVar[tuple[str, ...]] = ("ref",)  # tie roundings quantize_blocks offers
-    imatrix_use: ClassVar[ImatrixUse] = "ignored"
+    imatrix_use: ClassVar[ImatrixUse] = "none"
 
     def __init_subclass__(cls, *, ggml_type: GGMLType, vec_dot_type: str, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

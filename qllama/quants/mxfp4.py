@@ -30,6 +30,8 @@ class MXFP4(QuantType, ggml_type=GGMLType.MXFP4, vec_dot_type="Q8_0"):
     An importance matrix changes nothing (ggml ignores it).
     """
 
+    imatrix_use = "ignored"  # ggml_quantize_chunk gives the same bytes with one
+
     @classmethod
     def unpack(cls, blocks: np.ndarray) -> Fields:
         # the scale's bits become a float32 here: the array API has no bitcast

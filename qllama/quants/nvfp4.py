@@ -30,6 +30,8 @@ class NVFP4(QuantType, ggml_type=GGMLType.NVFP4, vec_dot_type="Q8_0"):
     changes nothing (ggml ignores it); llama.cpp has no file type that quantizes to NVFP4.
     """
 
+    imatrix_use = "ignored"  # ggml_quantize_chunk gives the same bytes with one
+
     @classmethod
     def unpack(cls, blocks: np.ndarray) -> Fields:
         # the scales' bits become float32 here: the array API has no bitcast

@@ -26,6 +26,8 @@ class Q1_0(QuantType, ggml_type=GGMLType.Q1_0, vec_dot_type="Q8_0"):
     changes nothing (ggml ignores it).
     """
 
+    imatrix_use = "ignored"  # ggml_quantize_chunk gives the same bytes with one
+
     @classmethod
     def unpack(cls, blocks: np.ndarray) -> Fields:
         # ggml widens fp16 with a multiply, which quiets a signalling NaN; the other types

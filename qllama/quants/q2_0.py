@@ -28,6 +28,8 @@ class Q2_0(QuantType, ggml_type=GGMLType.Q2_0, vec_dot_type="Q8_0"):
     Q1_0's is. An importance matrix changes nothing (ggml ignores it).
     """
 
+    imatrix_use = "ignored"  # ggml_quantize_chunk gives the same bytes with one
+
     @classmethod
     def unpack(cls, blocks: np.ndarray) -> Fields:
         return {"d": read_fp16(blocks[:, :2]), "qs": blocks[:, 2:]}

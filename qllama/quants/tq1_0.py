@@ -31,6 +31,8 @@ class TQ1_0(ternary.TernaryBlocks, QuantType, ggml_type=GGMLType.TQ1_0, vec_dot_
     largest |x|. An importance matrix changes nothing (ggml ignores it).
     """
 
+    imatrix_use = "ignored"  # ggml_quantize_chunk gives the same bytes with one
+
     @classmethod
     def unpack(cls, blocks: np.ndarray) -> Fields:
         return {"qs": blocks[:, :48], "qh": blocks[:, 48:52], "d": read_fp16(blocks[:, 52:54])}

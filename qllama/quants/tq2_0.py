@@ -28,6 +28,8 @@ class TQ2_0(ternary.TernaryBlocks, QuantType, ggml_type=GGMLType.TQ2_0, vec_dot_
     importance matrix changes nothing (ggml ignores it).
     """
 
+    imatrix_use = "ignored"  # ggml_quantize_chunk gives the same bytes with one
+
     @classmethod
     def unpack(cls, blocks: np.ndarray) -> Fields:
         return {"qs": blocks[:, :64], "d": read_fp16(blocks[:, 64:66])}
