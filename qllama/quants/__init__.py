@@ -120,14 +120,14 @@ def quantize(
         )
     if imatrix is None and cls.imatrix_use == "required":
         raise ImatrixError(
-            f"{cls.ggml_type.name} cannot be quantized without an importance matrix "
-            "(ggml requires one)"
+            f"{cls.ggml_type.name} needs an importance matrix (ggml aborts without one); "
+            "pass imatrix="
         )
     if imatrix is not None and cls.imatrix_use == "none":
         raise ImatrixError(f"qllama cannot quantize {cls.ggml_type.name} with an importance matrix")
     if imatrix is not None and cls.imatrix_use != "ignored":
         cls._check_rounding(rounding)
-        return _quantize_weighted(cls, rows, _check_imatrix(imatrix, n))
+        return _quantize_weighted(cls, rows, _check_imatrix(imatrix, cls, n))
     blocks = rows.reshape(-1, cls.block_size)
     step = max(1, _CHUNK_ELEMENTS // cls.block_size)
     out = np.empty((blocks.shape[0], cls.type_size), dtype=np.uint8)
@@ -137,16 +137,16 @@ def quantize(
     return out.reshape(rows.shape[0], n // cls.block_size * cls.type_size)
 
 
-def _check_imatrix(imatrix: Any, n: int) -> np.ndarray:
-    """An importance matrix for rows of ``n``: ``n`` finite float32 values (llama-quantize
-    refuses non-finite ones)."""
+def _check_imatrix(imatrix: Any, cls: type[QuantType], n: int) -> np.ndarray:
+    """An importance matrix for rows of ``n``: ``n`` finite, non-negative float32 values
+    (llama-quantize refuses non-finite ones)."""
     qw = np.asarray(imatrix, dtype=np.float32)
     if qw.shape != (n,):
         raise ImatrixError(
-            f"an importance matrix for rows of {n} needs {n} values, got shape {qw.shape}"
+            f"the importance matrix has shape {qw.shape}; {cls.ggml_type.name} rows need ({n},)"
         )
     if not np.isfinite(qw).all():
-        raise ImatrixError("the importance matrix has non-finite values")
+        raise ImatrixError("the importance matrix has NaN or infinite values")
     if (qw < 0).any():  # a mean of squares; ggml's searches take square roots of weights
         raise ImatrixError("the importance matrix has negative values")
     return qw
