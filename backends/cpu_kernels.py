@@ -20,6 +20,12 @@ its signed grid values and sub-block scales, then take plain integer sums with e
 (:func:`_matmul_iq`): ``(d*y.d) * bsum`` per block in block order, IQ2's ``0.125 * sumf`` at
 the end, as ggml's generic C.
 
+IQ4_NL, MXFP4 and IQ4_XS (the formats whose 4-bit codes index a table of levels) run in the
+32-block loops: each block's levels plus 128 (``decode_levels``) by the activations, minus
+128 times the activations' block sum; IQ4_XS's activations are Q8_K (its 256-block ``d``
+shared by the eight 32-blocks, the block sums from its ``bsums``) and each of its 32-blocks
+adds ``((d*y.d)*(ls - 32))*isum``, as ggml's generic C does.
+
 Few tokens (decoding): rows in groups of 4, each row's blocks 16 at a time against one
 token. Many tokens (prefill, teacher forcing): each weight block is decoded once and meets
 16 tokens at a time held in the vector lanes (``token_dots``), so that a block costs a few
@@ -36,8 +42,11 @@ from numba import njit, prange
 
 from qllama.backends.cpu_quantize import INLINE, JIT, TOKEN_TILE, q8_row, q8k_row
 from qllama.backends.cpu_simd import (
+    IQ4_NL,
+    IQ4_XS,
     KQUANTS,
     LEGACY,
+    MXFP4,
     Q2_K,
     Q3_K,
     Q4_0,
@@ -48,7 +57,10 @@ from qllama.backends.cpu_simd import (
     Q5_K,
     Q6_K,
     Q8_0,
+    TABLE_FORMATS,
+    bits_float,
     decode_block,
+    decode_levels,
     decode_scales,
     dots,
     half_to_float,
@@ -79,6 +91,10 @@ def _type_size(fmt: int) -> int:
             return sizes[i + 1]
         if sizes_k[i] == fmt:
             return sizes_k[i + 1]
+    sizes_t = (IQ4_NL, 18, MXFP4, 17, IQ4_XS, 136)
+    for i in range(0, 6, 2):
+        if sizes_t[i] == fmt:
+            return sizes_t[i + 1]
     return 0
 
 
@@ -86,8 +102,10 @@ def _type_size(fmt: int) -> int:
 
 
 @njit(**INLINE)
-def _decode_stored(raw, off, q, qo, fmt):
-    """A block's codes as stored (unsigned) into ``q[qo:qo+32]``; Q8_0 has nothing to do."""
+def _decode_stored(raw, off, b, q, qo, fmt):
+    """32-block ``b``'s codes, unsigned, into ``q[qo:qo+32]``: as stored (Q4/Q5), or the
+    levels plus 128 (table formats; ``off`` is IQ4_XS's super-block); Q8_0 has nothing to
+    do."""
     if fmt == Q4_0:
         decode_block(raw, off, q, qo, Q4_0, 1)
     elif fmt == Q4_1:
@@ -96,12 +114,55 @@ def _decode_stored(raw, off, q, qo, fmt):
         decode_block(raw, off, q, qo, Q5_0, 1)
     elif fmt == Q5_1:
         decode_block(raw, off, q, qo, Q5_1, 1)
+    elif fmt == IQ4_NL:
+        decode_levels(raw, off + 2, q, qo, IQ4_NL)
+    elif fmt == MXFP4:
+        decode_levels(raw, off + 1, q, qo, MXFP4)
+    elif fmt == IQ4_XS:
+        decode_levels(raw, off + 8 + 16 * (b % 8), q, qo, IQ4_XS)
 
 
 @njit(**INLINE)
 def _centre(fmt: int) -> int:
-    """What the signed code is below the stored one: 8 (Q4_0), 16 (Q5_0), else 0."""
+    """What the signed code is below the stored one: 8 (Q4_0), 16 (Q5_0), 128 (the table
+    formats), else 0."""
+    if fmt == IQ4_NL or fmt == MXFP4 or fmt == IQ4_XS:
+        return 128
     return 8 if fmt == Q4_0 else 16 if fmt == Q5_0 else 0
+
+
+@njit(**INLINE)
+def _block_offset(fmt, ts, nb, row, b):
+    """Byte offset of 32-block ``b`` of weight row ``row`` (``nb`` 32-blocks a row); for
+    IQ4_XS the offset of the super-block it lies in."""
+    if fmt == IQ4_XS:
+        return (row * (nb // 8) + b // 8) * 136
+    return (row * nb + b) * ts
+
+
+@njit(**INLINE)
+def _e8m0_half(e):
+    """MXFP4's scale byte -> ``2**(e - 128)`` (ggml_e8m0_to_fp32_half, from its bits)."""
+    bits = (0x00200000 << e) if e < 2 else (e - 1) << 23
+    return bits_float(np.int32(bits))
+
+
+@njit(**INLINE)
+def _block_header(raw, off, b, fmt):
+    """The float terms of 32-block ``b`` at ``off``: its scale ``d``, min ``m`` (Q4_1/Q5_1,
+    else 0) and IQ4_XS's factor ``ls - 32`` (else 1)."""
+    if fmt == MXFP4:
+        d = _e8m0_half(raw[off])
+    else:
+        d = half_to_float(raw, off)
+    m = half_to_float(raw, off + 2) if fmt == Q4_1 or fmt == Q5_1 else F32(0)
+    post = F32(1)
+    if fmt == IQ4_XS:
+        j = b % 8
+        high = ((np.int32(raw[off + 2]) | (np.int32(raw[off + 3]) << 8)) >> (2 * j)) & 3
+        low = (np.int32(raw[off + 4 + j // 2]) >> (4 * (j % 2))) & 15
+        post = F32((low | (high << 4)) - 32)
+    return d, m, post
 
 
 @njit(**INLINE)
@@ -123,15 +184,26 @@ def _matmul_legacy(raw, fmt, rows, x, simd, threads):
     dx = np.empty((tokens, nb), np.float32)
     sx = np.zeros((tokens, nb), np.float32)
     flat = x.reshape(-1)
-    for t in prange(tokens):
-        q8_row(flat, t, k, simd, has_m, qx, dx, sx)
+    xsum = np.zeros((nb, tokens), np.int32)
+    if fmt == IQ4_XS:
+        # Q8_K: one d per 256, shared by its eight 32-blocks; the 32-sums from its bsums
+        dk = np.empty((tokens, nb // 8), np.float32)
+        bsums = np.empty((tokens, k // 16), np.int32)
+        for t in prange(tokens):
+            q8k_row(flat, t, k, qx, dk, bsums)
+        for t in range(tokens):
+            for b in range(nb):
+                dx[t, b] = dk[t, b // 8]
+                xsum[b, t] = bsums[t, 2 * b] + bsums[t, 2 * b + 1]
+    else:
+        for t in prange(tokens):
+            q8_row(flat, t, k, simd, has_m, qx, dx, sx)
     # the other operand of the unsigned-by-signed products, and the corrections' sums
     xu = np.empty(tokens * k if fmt == Q8_0 else 0, np.uint8)
-    xsum = np.zeros((nb, tokens), np.int32)
     if fmt == Q8_0:
         for i in range(tokens * k):
             xu[i] = np.uint8(qx[i]) ^ 0x80
-    elif _centre(fmt):
+    elif _centre(fmt) and fmt != IQ4_XS:
         for t in range(tokens):
             for b in range(nb):
                 acc = 0
@@ -199,6 +271,7 @@ def _legacy_rows(raw, fmt, ts, r0, r1, qx, xu, xsum, dx, sx, out):
     ones = np.ones(32, np.uint8)
     dw = np.empty(4 * nb, np.float32)
     mw = np.zeros(4 * nb, np.float32)
+    pw = np.ones(4 * nb, np.float32)
     wsum = np.empty(4 * nb, np.int32)
     isum = np.empty(4 * nb, np.int32)
     term = np.zeros(4 * nb, np.float32)
@@ -207,15 +280,14 @@ def _legacy_rows(raw, fmt, ts, r0, r1, qx, xu, xsum, dx, sx, out):
         base = r * nb * ts
         n = g * nb  # blocks in this group
         for b in range(n):
-            dw[b] = half_to_float(raw, base + b * ts)
-        if fmt == Q4_1 or fmt == Q5_1:
-            for b in range(n):
-                mw[b] = half_to_float(raw, base + b * ts + 2)
+            off = _block_offset(fmt, ts, nb, r + b // nb, b % nb)
+            dw[b], mw[b], pw[b] = _block_header(raw, off, b % nb, fmt)
         if fmt == Q8_0:
             _block_sums(ones, 0, 0, raw, base + 2, ts, n, wsum)
         else:
             for b in range(n):
-                _decode_stored(raw, base + b * ts, q, b * 32, fmt)
+                off = _block_offset(fmt, ts, nb, r + b // nb, b % nb)
+                _decode_stored(raw, off, b % nb, q, b * 32, fmt)
         for t in range(tokens):
             for i in range(g):
                 if fmt == Q8_0:
@@ -233,6 +305,8 @@ def _legacy_rows(raw, fmt, ts, r0, r1, qx, xu, xsum, dx, sx, out):
                         isum[j] -= centre * xsum[b, t]
                     if fmt == Q4_0:
                         term[j] = (np.float32(isum[j]) * dw[j]) * yd[b]
+                    elif fmt == IQ4_XS:
+                        term[j] = ((dw[j] * yd[b]) * pw[j]) * np.float32(isum[j])
                     elif fmt == Q4_1 or fmt == Q5_1:
                         term[j] = (dw[j] * yd[b]) * np.float32(isum[j]) + mw[j] * ys[b]
                     else:
@@ -265,6 +339,7 @@ def _legacy_tiles(raw, fmt, ts, r0, r1, xv, tpad, xsum, dxt, sxt, out):
     isum = np.empty((4, tpad), np.int32)
     d = np.empty(4, np.float32)
     m = np.zeros(4, np.float32)
+    p = np.ones(4, np.float32)
     wsum = np.zeros(4, np.int32)
     gs = tpad * 4
     stage = np.empty((16, tokens), np.float32)
@@ -275,14 +350,12 @@ def _legacy_tiles(raw, fmt, ts, r0, r1, xv, tpad, xsum, dxt, sxt, out):
         acc[:] = 0
         for b in range(nb):
             for i in range(g):
-                off = ((r + i) * nb + b) * ts
-                d[i] = half_to_float(raw, off)
-                if fmt == Q4_1 or fmt == Q5_1:
-                    m[i] = half_to_float(raw, off + 2)
+                off = _block_offset(fmt, ts, nb, r + i, b)
+                d[i], m[i], p[i] = _block_header(raw, off, b, fmt)
                 if fmt == Q8_0:
                     dots(ones, 0, 0, raw, off + 2, 0, wsum[i:], 1)
                 else:
-                    _decode_stored(raw, off, q, 32 * i, fmt)
+                    _decode_stored(raw, off, b, q, 32 * i, fmt)
             for t0 in range(0, tpad, 16):
                 xo = b * 8 * gs + 4 * t0
                 for i in range(g):
@@ -295,7 +368,7 @@ def _legacy_tiles(raw, fmt, ts, r0, r1, xv, tpad, xsum, dxt, sxt, out):
             ys = sxt[b]
             xs = xsum[b]
             for i in range(g):
-                di, mi, si, ai = d[i], m[i], isum[i], acc[i]
+                di, mi, pi, si, ai = d[i], m[i], p[i], isum[i], acc[i]
                 w128 = 128 * wsum[i]
                 # the signed integer sums (see _matmul_legacy), then ggml's float terms
                 if fmt == Q8_0:
@@ -304,7 +377,10 @@ def _legacy_tiles(raw, fmt, ts, r0, r1, xv, tpad, xsum, dxt, sxt, out):
                 elif fmt == Q4_0:
                     for t in range(tokens):
                         ai[t] += (np.float32(si[t] - centre * xs[t]) * di) * yd[t]
-                elif fmt == Q5_0:
+                elif fmt == IQ4_XS:
+                    for t in range(tokens):
+                        ai[t] += ((di * yd[t]) * pi) * np.float32(si[t] - centre * xs[t])
+                elif centre:  # Q5_0, IQ4_NL, MXFP4
                     for t in range(tokens):
                         ai[t] += (di * yd[t]) * np.float32(si[t] - centre * xs[t])
                 else:
@@ -708,7 +784,9 @@ def _iq_kernel(fmt: int, parallel: bool) -> Any:
 # Each format parallel over weight rows (numba's threads) and serial: a parallel region has
 # every thread meet at its end, which costs more than a small matmul on one thread, and
 # much more when the machine is busy and a thread is waiting for a core.
-KERNELS = {fmt: (_legacy_kernel(fmt, True), _legacy_kernel(fmt, False)) for fmt in LEGACY}
+KERNELS = {
+    fmt: (_legacy_kernel(fmt, True), _legacy_kernel(fmt, False)) for fmt in LEGACY + TABLE_FORMATS
+}
 KERNELS.update({fmt: (_kquant_kernel(fmt, True), _kquant_kernel(fmt, False)) for fmt in KQUANTS})
 KERNELS.update({fmt: (_iq_kernel(fmt, True), _iq_kernel(fmt, False)) for fmt in IQ})
 

@@ -9,6 +9,9 @@ a host that has them (:data:`VNNI`):
 
 * :func:`decode_block`: one weight block's integer codes, signed as ``IntegerForm.q`` or as
   stored; :func:`decode_scales`: a K-quant super-block's integer scales and mins;
+  :func:`decode_levels`: the 32 levels a block of 4-bit indices picks from its format's table
+  (IQ4_NL, IQ4_XS, MXFP4), offset by 128 to be unsigned (``pshufb`` where the host has
+  SSSE3, a chain of selects otherwise);
 * :func:`dots`: integer dot products of runs of 32 bytes, unsigned by signed, several at once
   (``vpdpbusd`` on hosts with AVX512-VNNI);
 * :func:`token_dots`, :func:`token_wdots`: one weight run (int8 codes, or int16 with the
@@ -33,6 +36,7 @@ from numba import types
 from numba.extending import intrinsic
 
 from qllama.ggml_types import GGMLType
+from qllama.quants import fp4, iq4_search
 
 I8, I16, I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
 
@@ -41,6 +45,14 @@ Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = (int(GGMLType[n]) for n in ("Q4_0", "Q4_1", "Q5_0
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = (int(GGMLType[n]) for n in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"))
 LEGACY = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)
 KQUANTS = (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)
+IQ4_NL, IQ4_XS, MXFP4 = (int(GGMLType[n]) for n in ("IQ4_NL", "IQ4_XS", "MXFP4"))
+# formats whose 4-bit codes index a table of 16 levels (their values, plus 128)
+TABLE_FORMATS = (IQ4_NL, IQ4_XS, MXFP4)
+_LEVELS = {
+    IQ4_NL: iq4_search.KVALUES,
+    IQ4_XS: iq4_search.KVALUES,
+    MXFP4: fp4.KVALUES,
+}
 
 
 # --- IR helpers -------------------------------------------------------------------------------
@@ -189,6 +201,46 @@ def decode_block(typingctx: Any, raw: Any, off: Any, q: Any, qo: Any, fmt: Any, 
     return types.none(raw, off, q, qo, fmt, stored), codegen
 
 
+def _table_lookup(builder: ir.IRBuilder, table: list[int], idx: Any) -> Any:
+    """``table[idx]`` for 32 indices below 16 (<32 x i8>): two ``pshufb`` where the host has
+    SSSE3, else a chain of 15 selects (portable IR)."""
+    if SSSE3:
+        v16 = _vec(I8, 16)
+        fnty = ir.FunctionType(v16, [v16, v16])
+        name = "llvm.x86.ssse3.pshuf.b.128"
+        fn = builder.module.globals.get(name) or ir.Function(builder.module, fnty, name)
+        t = _consts(I8, table)
+        lo = builder.call(fn, [t, _pick(builder, idx, list(range(16)))])
+        hi = builder.call(fn, [t, _pick(builder, idx, list(range(16, 32)))])
+        return _shuffle(builder, lo, hi, list(range(32)))
+    out = _splat(I8, 32, table[0])
+    for i in range(1, 16):
+        hit = builder.icmp_unsigned("==", idx, _splat(I8, 32, i))
+        out = builder.select(hit, _splat(I8, 32, table[i]), out)
+    return out
+
+
+@intrinsic(prefer_literal=True)
+def decode_levels(typingctx: Any, raw: Any, off: Any, q: Any, qo: Any, fmt: Any) -> Any:
+    """The 16 bytes of 4-bit indices at byte ``off`` of ``raw`` -> their 32 levels plus 128
+    (uint8) in ``q[qo:qo+32]``: byte j's low nibble is element j, its high nibble element
+    j + 16 (IQ4_NL, MXFP4, and each 32-block of IQ4_XS)."""
+    f = _literal(fmt, TABLE_FORMATS, "decode_levels: fmt")
+    if f is None:
+        return None
+    table = [(int(v) + 128) & 0xFF for v in _LEVELS[f]]
+
+    def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> Any:
+        p = _ptr(context, builder, sig.args[0], args[0], args[1])
+        out = _ptr(context, builder, sig.args[2], args[2], args[3])
+        idx = _nibbles(builder, _load(builder, p, 0, _vec(I8, 16)))
+        v = _table_lookup(builder, table, idx)
+        builder.store(v, _at(builder, out, 0, v.type), align=1)
+        return context.get_dummy_value()
+
+    return types.none(raw, off, q, qo, fmt), codegen
+
+
 # --- integer sums -----------------------------------------------------------------------------
 
 
@@ -255,6 +307,8 @@ VNNI = bool(_FEATURES.get("avx512vnni") and _FEATURES.get("avx512bw"))
 # fp16 <-> fp32 in hardware (F16C, AArch64). Without it LLVM would call compiler-rt's
 # __extendhfsf2 / __truncsfhf2, which numba's JIT does not link: integer code instead.
 HALF = bool(_FEATURES.get("f16c"))
+# pshufb: a 16-entry table lookup in one instruction (every x86-64 since 2006)
+SSSE3 = bool(_FEATURES.get("ssse3"))
 
 
 def _vnni(builder: ir.IRBuilder, name: str, acc: Any, a: Any, b: Any) -> Any:
@@ -614,6 +668,7 @@ __all__: list[str] = [
     "VNNI",
     "bits_float",
     "decode_block",
+    "decode_levels",
     "decode_scales",
     "dots",
     "float_bits",

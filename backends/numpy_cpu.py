@@ -72,7 +72,8 @@ Q8_WEIGHT_TYPES = ALL_TYPES - {GGMLType.Q8_1, GGMLType.Q8_K}
 KERNEL_LEGACY = frozenset(GGMLType[n] for n in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"))
 KERNEL_KQUANTS = frozenset(GGMLType[n] for n in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"))
 KERNEL_IQ = frozenset(GGMLType[n] for n in ("IQ3_S", "IQ2_XS", "IQ2_S"))
-KERNEL_TYPES = KERNEL_LEGACY | KERNEL_KQUANTS | KERNEL_IQ
+KERNEL_TABLES = frozenset(GGMLType[n] for n in ("IQ4_NL", "IQ4_XS", "MXFP4"))
+KERNEL_TYPES = KERNEL_LEGACY | KERNEL_KQUANTS | KERNEL_IQ | KERNEL_TABLES
 
 # Largest |q| of an activation block: 127, or -128 where the AVX2 quantizer saturates a NaN.
 _ACT_BOUND = 128
@@ -139,7 +140,14 @@ class Activations:
         block = form.q.shape[1]
         n_blocks = k // block
         qs = fields["qs"].reshape(tokens, n_blocks, block // form.lanes, form.lanes)
-        per_token = {f: fields[f].reshape(tokens, n_blocks).T for f in ("d", "s") if f in fields}
+        # a weight block may be a part of an activation block (NVFP4's 16, IQ4_XS's 32): it
+        # takes the d of the activation block it lies in
+        n_act = fields["d"].size // tokens
+        per_token = {
+            f: np.repeat(fields[f].reshape(tokens, n_act), n_blocks // n_act, axis=1).T
+            for f in ("d", "s")
+            if f in fields
+        }
         bsums = None
         if "bsums" in fields and form.mins is not None:
             # Q8_K keeps sums of 16; a weight sub-block of 32 is two of them (exact integers)
@@ -162,7 +170,7 @@ class WeightBlocks:
     sub-block scales folded in (small exact integers; float64 where a block's sum can pass
     2**24); ``d``, ``m``, ``dmin`` are ``(n_blocks, 1, R)`` and ``mins``
     ``(n_blocks, n_sub, R)``, or None where absent; ``lanes``, ``sumi_first``,
-    ``isum_scale`` and ``row_scale`` are the form's.
+    ``isum_scale``, ``row_scale``, ``post`` (as ``d``) and ``group`` are the form's.
     """
 
     w: np.ndarray
@@ -174,6 +182,8 @@ class WeightBlocks:
     sumi_first: bool
     isum_scale: float = 1.0
     row_scale: float = 1.0
+    post: np.ndarray | None = None
+    group: int = 1
 
     @classmethod
     def of(cls, form: IntegerForm, rows: int) -> WeightBlocks:
@@ -208,6 +218,8 @@ class WeightBlocks:
             sumi_first=form.sumi_first,
             isum_scale=form.isum_scale,
             row_scale=form.row_scale,
+            post=None if form.post is None else per_block(form.post),
+            group=form.group,
         )
 
 
@@ -217,13 +229,16 @@ def vec_dot(acts: Activations, wb: WeightBlocks, tokens: slice) -> np.ndarray:
     Returns ``(T, R)`` float32, equal bit for bit to ggml's generic C (``ggml-cpu/quants.c``)
     compiled without FMA contraction. Per block, in block order: the integer sums (float32
     BLAS, exact), then ``sumf += (d*y.d)*isum + m*y.s - (dmin*y.d)*msum`` (Q4_0:
-    ``(isum*d)*y.d``; IQ1: ``isum*isum_scale`` for ``isum``); with 8 lanes, ``(d*y.d)*isum``
-    goes to 8 accumulators instead, added to ``sumf`` after the last block. The IQ2 and
-    IQ3_XXS rows end with ``row_scale * sumf``.
+    ``(isum*d)*y.d``; IQ1: ``isum*isum_scale`` for ``isum``; IQ4_XS:
+    ``((d*y.d)*post)*isum``); with 8 lanes, ``(d*y.d)*isum`` goes to 8 accumulators instead,
+    added to ``sumf`` after the last block. With ``group`` > 1 (Q1_0, Q2_0) each run of
+    ``group`` blocks is one weight block: ``sumf += d * inner``, ``inner`` the float32 sum of
+    the run's ``y.d*isum``. The IQ2 and IQ3_XXS rows end with ``row_scale * sumf``.
     """
     q_act, d_act = acts.q[:, :, tokens], acts.d[:, tokens]
     sumf = np.zeros((d_act.shape[1], wb.w.shape[3]), dtype=F32)
     lane_sums = np.zeros((wb.lanes, *sumf.shape), dtype=F32)
+    inner = np.zeros_like(sumf)
     for b in range(q_act.shape[0]):
         # (lanes, T, R): exact integers; a float64 sum rounds to float32 as C's (float)sumi
         sumi = np.matmul(q_act[b], wb.w[b]).astype(F32, copy=False)
@@ -241,7 +256,15 @@ def vec_dot(acts: Activations, wb: WeightBlocks, tokens: slice) -> np.ndarray:
                 sumf -= mterm
             continue
         isum = sumi[0]
-        term = (isum * wb.d[b]) * yd if wb.sumi_first else (wb.d[b] * yd) * isum
+        if wb.group > 1:  # C: sumi += d1*sumi_block over the run, then sumf += d0*sumi
+            inner = (F32(0) if b % wb.group == 0 else inner) + yd * isum
+            if b % wb.group == wb.group - 1:
+                sumf += wb.d[b] * inner
+            continue
+        if wb.post is not None:
+            term = ((wb.d[b] * yd) * wb.post[b]) * isum
+        else:
+            term = (isum * wb.d[b]) * yd if wb.sumi_first else (wb.d[b] * yd) * isum
         if wb.m is not None:  # Q4_1 / Q5_1: + m*y.s, with the activation's stored fp16 s
             assert acts.s is not None
             term = term + wb.m[b] * acts.s[b, tokens][:, None]

@@ -126,13 +126,61 @@ def cmd_quantize(args: argparse.Namespace) -> int:
                 flush=True,
             )
 
-    result = quantize_file(args.input, args.output, args.type, progress=progress)
+    result = quantize_file(
+        args.input, args.output, args.type, imatrix=args.imatrix, progress=progress
+    )
     counts = ", ".join(f"{n} {k}" for k, n in sorted(result.counts.items(), key=lambda kv: -kv[1]))
     print(
         f"wrote {result.path}: {result.file_type.label}, {counts}; "
         f"tensor data {result.bytes_in / 2**20:.1f} MiB -> {result.bytes_out / 2**20:.1f} MiB"
     )
+    if result.without_imatrix:
+        print(
+            f"{len(result.without_imatrix)} tensor(s) had no importance matrix entry and were "
+            f"quantized without one: {', '.join(result.without_imatrix[:5])}"
+            + (", ..." if len(result.without_imatrix) > 5 else ""),
+            file=sys.stderr,
+        )
     return 0
+
+
+# --- imatrix ----------------------------------------------------------------------------------
+
+
+def cmd_imatrix(args: argparse.Namespace) -> int:
+    from qllama.imatrix import from_corpus, write_imatrix
+
+    with open(args.text, encoding="utf-8", errors="replace") as fh:
+        text = fh.read()
+
+    def progress(i: int, n: int) -> None:
+        if not args.quiet:
+            print(f"[chunk {i + 1}/{n}]", file=sys.stderr, flush=True)
+
+    options = _backend_options(args)
+    name = options.pop("backend")
+    m = from_corpus(
+        args.model,
+        text,
+        backend=_backend(name, options),
+        n_ctx=args.ctx,
+        n_chunks=args.chunks,
+        process_output=args.process_output,
+        dataset=args.text,
+        progress=progress,
+    )
+    write_imatrix(args.output, m, fmt=args.output_format)
+    print(
+        f"wrote {args.output}: {len(m.entries)} entries, {m.chunk_count} chunks of "
+        f"{m.chunk_size} tokens"
+    )
+    return 0
+
+
+def _backend(name: str | None, options: dict[str, Any]) -> Any:
+    from qllama.backends import get_backend
+
+    return get_backend(name, **options)
 
 
 # --- fetch ------------------------------------------------------------------------------------
@@ -566,7 +614,28 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("output")
     s.add_argument("type", metavar="TYPE", help="file type: " + ", ".join(FILE_TYPES))
     s.add_argument("-q", "--quiet", action="store_true", help="no per-tensor progress")
+    s.add_argument(
+        "--imatrix", help="an importance matrix (GGUF or legacy .dat), as llama-quantize's"
+    )
     s.set_defaults(run=cmd_quantize)
+
+    s = sub.add_parser(
+        "imatrix", help="compute an importance matrix over a corpus, as llama-imatrix does"
+    )
+    s.add_argument("model")
+    s.add_argument("--text", "-f", required=True, help="the corpus, a UTF-8 text file")
+    s.add_argument("-o", "--output", default="imatrix.gguf", help="default: imatrix.gguf")
+    s.add_argument("--ctx", "-c", type=int, default=512, help="tokens a chunk (default 512)")
+    s.add_argument("--chunks", type=int, help="at most this many chunks (default: all)")
+    s.add_argument(
+        "--output-format", choices=["gguf", "dat"], help="default: gguf (dat for a .dat name)"
+    )
+    s.add_argument(
+        "--process-output", action="store_true", help="collect output.weight's activations too"
+    )
+    s.add_argument("-q", "--quiet", action="store_true", help="no per-chunk progress")
+    _add_backend_args(s)
+    s.set_defaults(run=cmd_imatrix)
 
     s = sub.add_parser("fetch", help="download a known model file into the cache")
     s.add_argument("name", help="one of: " + ", ".join(MODELS))

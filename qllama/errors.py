@@ -76,7 +76,8 @@ class WeightValueError(QllamaError):
 
 
 class ImatrixError(QllamaError):
-    """An importance matrix is missing where a type needs one, or does not fit the tensor."""
+    """An importance matrix is missing where one is required, malformed, or does not fit the
+    model (a name that matches no tensor, a wrong length, a NaN)."""
 
 
 # --- model, tokenizer, runtime --------------------------------------------------------------

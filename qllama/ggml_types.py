@@ -101,6 +101,9 @@ class GGMLType(enum.IntEnum):
     TQ1_0 = 34
     TQ2_0 = 35
     MXFP4 = 39
+    NVFP4 = 40
+    Q1_0 = 41
+    Q2_0 = 42
 
     @property
     def block(self) -> BlockShape:
@@ -146,6 +149,9 @@ GGML_BLOCKS: dict[GGMLType, BlockShape] = {
     GGMLType.TQ1_0: BlockShape(QK_K, 2 + 4 * 13),
     GGMLType.TQ2_0: BlockShape(QK_K, 2 + 64),
     GGMLType.MXFP4: BlockShape(32, 1 + 16),
+    GGMLType.NVFP4: BlockShape(64, 4 + 32),
+    GGMLType.Q1_0: BlockShape(128, 2 + 128 // 8),
+    GGMLType.Q2_0: BlockShape(64, 2 + 64 // 4),
 }
 
 
@@ -168,7 +174,26 @@ class FileType(enum.IntEnum):
     MOSTLY_Q5_K_S = 16
     MOSTLY_Q5_K_M = 17
     MOSTLY_Q6_K = 18
+    MOSTLY_IQ2_XXS = 19
+    MOSTLY_IQ2_XS = 20
+    MOSTLY_Q2_K_S = 21
+    MOSTLY_IQ3_XS = 22
+    MOSTLY_IQ3_XXS = 23
+    MOSTLY_IQ1_S = 24
+    MOSTLY_IQ4_NL = 25
+    MOSTLY_IQ3_S = 26
+    MOSTLY_IQ3_M = 27
+    MOSTLY_IQ2_S = 28
+    MOSTLY_IQ2_M = 29
+    MOSTLY_IQ4_XS = 30
+    MOSTLY_IQ1_M = 31
     MOSTLY_BF16 = 32
+    MOSTLY_TQ1_0 = 36
+    MOSTLY_TQ2_0 = 37
+    MOSTLY_MXFP4_MOE = 38
+    MOSTLY_NVFP4 = 39
+    MOSTLY_Q1_0 = 40
+    MOSTLY_Q2_0 = 41
 
     @property
     def label(self) -> str:

@@ -44,9 +44,41 @@ def test_quantize(tiny, tmp_path, capsys):
     assert read_gguf(out).get("general.file_type") == 15
 
 
+def test_imatrix_then_quantize_with_it(tiny, tmp_path, capsys):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the cat sat on the mat and then it ran away. " * 30)
+    im = tmp_path / "im.gguf"
+    assert (
+        main(["imatrix", str(tiny), "--text", str(corpus), "-o", str(im), "--ctx", "32", "-q"]) == 0
+    )
+    assert "14 entries" in capsys.readouterr().out
+    assert read_gguf(im).get("imatrix.datasets") == [str(corpus)]
+    out = tmp_path / "q.gguf"
+    assert main(["quantize", "-q", str(tiny), str(out), "IQ4_XS", "--imatrix", str(im)]) == 0
+    f = read_gguf(out)
+    assert (
+        f.get("quantize.imatrix.file") == str(im) and f.get("quantize.imatrix.entries_count") == 14
+    )
+    dat = tmp_path / "im.dat"
+    assert main(["imatrix", str(tiny), "-f", str(corpus), "-o", str(dat), "-c", "32", "-q"]) == 0
+    assert main(["quantize", "-q", str(tiny), str(out), "Q4_K_M", "--imatrix", str(dat)]) == 0
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
+        (
+            ["quantize", "{tiny}", "{out}", "IQ2_XXS"],
+            "qllama quantize: error: file type IQ2_XXS quantizes",
+        ),
+        (
+            ["quantize", "{tiny}", "{out}", "Q4_0", "--imatrix", "{tiny}"],
+            "qllama quantize: error: ",
+        ),
+        (
+            ["imatrix", "{tiny}", "--text", "{short}", "-o", "{out}"],
+            "qllama imatrix: error: the corpus has",
+        ),
         (
             ["inspect", "/nonexistent/x.gguf"],
             "qllama inspect: error: cannot open /nonexistent/x.gguf: No such file or directory",
@@ -56,7 +88,9 @@ def test_quantize(tiny, tmp_path, capsys):
     ],
 )
 def test_errors_are_one_line_without_traceback(tiny, tmp_path, argv, message):
-    argv = [a.format(tiny=tiny, out=tmp_path / "o.gguf") for a in argv]
+    short = tmp_path / "short.txt"
+    short.write_text("too short a corpus")
+    argv = [a.format(tiny=tiny, out=tmp_path / "o.gguf", short=short) for a in argv]
     run = subprocess.run(
         [sys.executable, "-m", "qllama.cli", *argv], capture_output=True, text=True
     )

@@ -28,6 +28,8 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 F32 = np.float32
 LEGACY = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
 KQUANTS = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+TABLES = ["IQ4_NL", "IQ4_XS", "MXFP4"]  # 4-bit codes indexing a table of levels
+SUPER = [*KQUANTS, "IQ4_XS"]  # 256-element blocks
 
 
 def bits(x: np.ndarray) -> np.ndarray:
@@ -82,22 +84,22 @@ def backends(rounding: str, parallelism: str) -> tuple[NumpyBackend, NumpyBacken
     return fast, NumpyBackend(activation_rounding=rounding, kernels="numpy")
 
 
-@pytest.mark.parametrize("qtype", LEGACY + KQUANTS)
+@pytest.mark.parametrize("qtype", LEGACY + KQUANTS + TABLES)
 @pytest.mark.parametrize("rounding", ["ref", "simd"])
 @pytest.mark.parametrize("tokens", [1, 3, 16, 37])
 def test_kernels_equal_the_oracle(qtype, rounding, tokens, parallelism):
-    k = 768 if qtype in KQUANTS else 608  # 19 blocks of 32: every tail of the 16-block sums
+    k = 768 if qtype in SUPER else 608  # 19 blocks of 32: every tail of the 16-block sums
     w = random_weight(qtype, 13, k, seed=tokens)
     x = hard_activations(tokens, k, seed=tokens)
     fast, oracle = backends(rounding, parallelism)
     agree(fast.matmul(x, fast.prepare(w)), oracle.matmul(x, oracle.prepare(w)))
 
 
-@pytest.mark.parametrize("qtype", LEGACY + KQUANTS)
+@pytest.mark.parametrize("qtype", LEGACY + KQUANTS + TABLES)
 @pytest.mark.parametrize("shape", [(1, 1), (5, 2), (33, 3)])  # rows, blocks
 def test_odd_shapes(qtype, shape, parallelism):
     rows, blocks = shape
-    k = blocks * (256 if qtype in KQUANTS else 32)
+    k = blocks * (256 if qtype in SUPER else 32)
     w = random_weight(qtype, rows, k, seed=rows)
     fast, oracle = backends("ref", parallelism)
     for tokens in (1, 17):
@@ -105,7 +107,7 @@ def test_odd_shapes(qtype, shape, parallelism):
         agree(fast.matmul(x, fast.prepare(w)), oracle.matmul(x, oracle.prepare(w)))
 
 
-@pytest.mark.parametrize("qtype", LEGACY + KQUANTS)
+@pytest.mark.parametrize("qtype", LEGACY + KQUANTS + TABLES)
 def test_non_finite_activations(qtype, parallelism):
     k = 512
     w = random_weight(qtype, 9, k, seed=3)
@@ -267,7 +269,8 @@ from qllama.ggml_types import GGMLType
 
 assert not cpu_simd.VNNI
 rng = np.random.default_rng(0)
-for qtype in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"):
+for qtype in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+              "IQ4_NL", "IQ4_XS", "MXFP4"):
     w = rng.standard_normal((8, 512)).astype(np.float32)
     raw = quants.quantize(w, qtype).reshape(-1)
     raw.flags.writeable = False

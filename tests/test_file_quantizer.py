@@ -146,3 +146,128 @@ def test_bad_requests(smollm_like, tmp_path):
     with pytest.raises(UnsupportedTensorTypeError, match="F64"):
         quantize_file(tmp_path / "iq.gguf", tmp_path / "x.gguf", "Q8_0")
     assert not (tmp_path / "x.gguf").exists()
+
+
+# --- the issue-11 file types and importance matrices -----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm_imatrix(smollm_like, tmp_path_factory):
+    """An importance matrix for every blk.* weight of the SmolLM2-like model (random, as a
+    stand-in: the rules only look at its presence)."""
+    from qllama.imatrix import Entry, ImportanceMatrix, write_imatrix
+
+    rng = np.random.default_rng(0)
+    entries = {
+        t.name: Entry(np.exp(rng.normal(size=(1, t.ne[0]))).astype(np.float32) * 64, np.array([64]))
+        for t in smollm_like
+        if t.name.startswith("blk.") and len(t.ne) == 2
+    }
+    path = tmp_path_factory.mktemp("imatrix") / "im.gguf"
+    write_imatrix(path, ImportanceMatrix(entries, ["corpus.txt"], 3, 512))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("ftype", "imatrix", "expected"),
+    [
+        # 64-wide rows fall back from IQ4_XS to IQ4_NL; ffn_down (rows of 256) keeps it, but
+        # its first n/8 layers get Q5_K unless there is an importance matrix
+        ("IQ4_XS", False, {"IQ4_NL": 180, "IQ4_XS": 27, "Q5_K": 3, "Q8_0": 1, "F32": 61}),
+        ("IQ4_XS", True, {"IQ4_NL": 180, "IQ4_XS": 30, "Q8_0": 1, "F32": 61}),
+        ("IQ4_NL", False, {"IQ4_NL": 207, "Q5_K": 3, "Q8_0": 1, "F32": 61}),
+        # Q4_0 with an importance matrix guards the first n/8 ffn_down with Q4_1
+        ("Q4_0", False, {"Q4_0": 210, "Q8_0": 1, "F32": 61}),
+        ("Q4_0", True, {"Q4_0": 207, "Q4_1": 3, "Q8_0": 1, "F32": 61}),
+        ("Q5_0", True, {"Q5_0": 207, "Q5_1": 3, "Q8_0": 1, "F32": 61}),
+        ("TQ1_0", False, {"Q4_0": 180, "TQ1_0": 30, "Q8_0": 1, "F32": 61}),
+        ("MXFP4_MOE", False, {"Q8_0": 211, "F32": 61}),  # no experts: everything Q8_0
+    ],
+)
+def test_new_file_type_compositions(smollm_like, ftype, imatrix, expected):
+    assert Counter(t.name for t in plan(smollm_like, ftype, imatrix=imatrix).values()) == expected
+
+
+def test_quantizing_with_an_imatrix_uses_each_tensors_entry(smollm_like, smollm_imatrix, tmp_path):
+    from qllama.imatrix import read_imatrix
+
+    out = tmp_path / "iq4_xs.gguf"
+    result = quantize_file(smollm_like, out, "IQ4_XS", imatrix=smollm_imatrix)
+    assert result.without_imatrix == ["token_embd.weight"]  # quantized without, as llama.cpp
+    q = read_gguf(out)
+    assert list(q.kv)[-6:] == [
+        "general.quantization_version",
+        "general.file_type",
+        "quantize.imatrix.file",
+        "quantize.imatrix.dataset",
+        "quantize.imatrix.entries_count",
+        "quantize.imatrix.chunks_count",
+    ]
+    assert q.get("quantize.imatrix.file") == str(smollm_imatrix)
+    assert q.get("quantize.imatrix.dataset") == "corpus.txt"
+    assert q.get("quantize.imatrix.entries_count") == 210
+    assert q.get("quantize.imatrix.chunks_count") == 3
+    means = read_imatrix(smollm_imatrix).means()
+    for name in ("blk.0.ffn_down.weight", "blk.7.attn_q.weight", "token_embd.weight"):
+        t, src = q.tensor(name), smollm_like.tensor(name)
+        x = quants.dequantize(smollm_like.tensor_data(name), src.ggml_type, src.shape)
+        want = quants.quantize(x, t.ggml_type, imatrix=means.get(name))
+        np.testing.assert_array_equal(q.tensor_data(name), want.ravel())
+
+
+def test_low_bit_file_types_need_an_imatrix(smollm_like, smollm_imatrix, tmp_path):
+    from qllama.errors import ImatrixError
+
+    out = tmp_path / "x.gguf"
+    # the first tensor that needs one: 64-wide ones fall back to IQ4_NL, the first 3 ffn_down
+    # get IQ3_S
+    with pytest.raises(ImatrixError, match="IQ2_M quantizes blk.3.ffn_down.weight to IQ2_S"):
+        quantize_file(smollm_like, out, "IQ2_M")
+    with pytest.raises(ImatrixError, match="Q2_K_S quantizes blk.3.ffn_down.weight to Q2_K"):
+        quantize_file(smollm_like, out, "Q2_K_S")
+    # with one, the grid types are named until their classes exist
+    if "IQ2_S" not in quants.supported():
+        with pytest.raises(UnsupportedTensorTypeError, match="IQ2_M, tensor .*IQ[23]_S"):
+            quantize_file(smollm_like, out, "IQ2_M", imatrix=smollm_imatrix)
+    assert not out.exists()
+
+
+def test_file_types_llama_cpp_cannot_write(smollm_like, tmp_path):
+    with pytest.raises(ModelConfigError, match="unknown file type 'NVFP4'"):
+        quantize_file(smollm_like, tmp_path / "x.gguf", "NVFP4")
+    # Q1_0's 128-blocks do not divide rows of 64 and have no fallback: llama.cpp throws too
+    with pytest.raises(ModelConfigError, match="no fallback type for Q1_0"):
+        quantize_file(smollm_like, tmp_path / "x.gguf", "Q1_0")
+    assert FILE_TYPES["MXFP4_MOE"].value == 38 and plan(smollm_like, "q4_k")  # aliases
+
+
+def test_experts_are_quantized_with_their_own_slice(tmp_path):
+    from qllama.imatrix import Entry, ImportanceMatrix, write_imatrix
+
+    rng = np.random.default_rng(1)
+    w = GGUFWriter()
+    w.add("general.architecture", "llama")
+    w.add("llama.block_count", 1)
+    w.add("llama.expert_count", 2)
+    x = rng.normal(size=(2, 4, 256)).astype(np.float32)  # (experts, rows, row length)
+    w.add_tensor("blk.0.ffn_up_exps.weight", x, "F32")
+    w.write(tmp_path / "moe.gguf")
+    qw = np.exp(rng.normal(size=(2, 256))).astype(np.float32)
+    entry = Entry(qw * 8, np.array([8, 8]))
+    write_imatrix(
+        tmp_path / "im.gguf", ImportanceMatrix({"blk.0.ffn_up_exps.weight": entry}, [], 1, 8)
+    )
+    quantize_file(
+        tmp_path / "moe.gguf", tmp_path / "q.gguf", "Q4_K_M", imatrix=tmp_path / "im.gguf"
+    )
+    got = read_gguf(tmp_path / "q.gguf").tensor_data("blk.0.ffn_up_exps.weight").reshape(2, -1)
+    for e in range(2):
+        np.testing.assert_array_equal(got[e], quants.quantize(x[e], "Q4_K", imatrix=qw[e]).ravel())
+
+
+def test_every_llama_quantize_name_parses():
+    from qllama.file_quantizer import file_type
+
+    assert file_type("F32").label == "F32" and file_type("f16").label == "F16"
+    assert file_type("Q4_K").label == "Q4_K_M" and file_type("q3_k").label == "Q3_K_M"
+    assert all(file_type(label).label == label for label in FILE_TYPES)

@@ -35,6 +35,12 @@ from qllama.quants import (  # noqa: F401
     iq2_xxs,
     iq3_s,
     iq3_xxs,
+    iq4_nl,
+    iq4_xs,
+    mxfp4,
+    nvfp4,
+    q1_0,
+    q2_0,
     q2_k,
     q3_k,
     q4_0,
@@ -47,6 +53,8 @@ from qllama.quants import (  # noqa: F401
     q8_0,
     q8_1,
     q8_k,
+    tq1_0,
+    tq2_0,
 )
 from qllama.quants.base import REGISTRY, Fields, QuantType, Rounding
 
@@ -103,9 +111,10 @@ def quantize(
     ``x`` has shape ``(..., n)``, rows along the last axis; ``n`` must be a multiple of the
     type's block size. Returns uint8 of shape ``(rows, row_bytes)``. ``rounding="simd"``
     selects the tie rounding of ggml's AVX2/NEON activation quantizers where it differs.
-    ``imatrix``: the importance of each of the ``n`` columns (``(n,)`` float32, the same for
-    every row, as llama-quantize passes it), for the types that use one
-    (``quants.get(qtype).imatrix_use``); a type that requires one refuses to go without.
+    ``imatrix`` is an importance matrix for these rows: ``n`` non-negative floats, one per
+    column (what llama-quantize passes to ggml: the mean of the squared activations entering
+    the column). Types that ignore it give the same bytes either way; IQ2_XXS, IQ2_XS and
+    IQ1_S cannot be quantized without one.
     """
     cls = get(qtype)
     rows = _rows(np.asarray(x, dtype=np.float32))
@@ -116,25 +125,21 @@ def quantize(
             f"{cls.block_size}"
         )
     qw = _imatrix(imatrix, cls, n)
+    if qw is not None:
+        cls._check_rounding(rounding)
+        return _quantize_weighted(cls, rows, qw)
     blocks = rows.reshape(-1, cls.block_size)
     step = max(1, _CHUNK_ELEMENTS // cls.block_size)
     out = np.empty((blocks.shape[0], cls.type_size), dtype=np.uint8)
-    per_row = n // cls.block_size
     for start in range(0, blocks.shape[0], step):
         chunk = np.ascontiguousarray(blocks[start : start + step])
-        if qw is None:
-            out[start : start + step] = cls.quantize_blocks(chunk, rounding=rounding)
-        else:
-            cls._check_rounding(rounding)
-            # block b of the flattened rows is block b % per_row of its row
-            weights = qw[np.arange(start, start + chunk.shape[0]) % per_row]
-            out[start : start + step] = cls.quantize_blocks_weighted(chunk, weights)
+        out[start : start + step] = cls.quantize_blocks(chunk, rounding=rounding)
     return out.reshape(rows.shape[0], n // cls.block_size * cls.type_size)
 
 
 def _imatrix(imatrix: Any, cls: type[QuantType], n: int) -> np.ndarray | None:
-    """The checked importance matrix as ``(n // block_size, block_size)`` float32, or None
-    when there is none or the type ignores it."""
+    """The checked importance matrix, ``(n,)`` float32, or None when there is none or the
+    type ignores it."""
     name = cls.ggml_type.name
     if imatrix is None:
         if cls.imatrix_use == "required":
@@ -153,7 +158,17 @@ def _imatrix(imatrix: Any, cls: type[QuantType], n: int) -> np.ndarray | None:
         raise ImatrixError("the importance matrix has NaN or infinite values")
     if np.any(qw < 0):  # a mean of squares; ggml's searches take square roots of weights
         raise ImatrixError("the importance matrix has negative values")
-    return qw.reshape(-1, cls.block_size)
+    return qw
+
+
+def _quantize_weighted(cls: type[QuantType], rows: np.ndarray, qw: np.ndarray) -> np.ndarray:
+    """``cls.quantize_weighted`` a bounded number of rows at a time."""
+    step = max(1, _CHUNK_ELEMENTS // max(1, rows.shape[1]))
+    out = np.empty((rows.shape[0], rows.shape[1] // cls.block_size * cls.type_size), np.uint8)
+    for start in range(0, rows.shape[0], step):
+        part = np.ascontiguousarray(rows[start : start + step])
+        out[start : start + step] = cls.quantize_weighted(part, qw)
+    return out
 
 
 def _blocks(data: Any, cls: type[QuantType], shape: Sequence[int]) -> np.ndarray:

@@ -14,8 +14,9 @@ from qllama.ggml_types import GGMLType
 Rounding = Literal["ref", "simd"]
 
 # What ggml_quantize_chunk does with an importance matrix for a type, as far as qllama
-# implements it: "none" (qllama has no weighted quantizer for the type: one is refused),
-# "optional", "required" (ggml aborts without one), "ignored" (quantized as without one).
+# implements it: "ignored" (the same bytes either way), "optional" (a weighted search with it,
+# the reference without), "required" (ggml aborts without one: IQ2_XXS, IQ2_XS, IQ1_S), or
+# "none" (qllama has no weighted quantizer for the type: an importance matrix is refused).
 ImatrixUse = Literal["none", "optional", "required", "ignored"]
 
 Fields = dict[str, Any]  # named field arrays of a batch of blocks, numpy or any xp
@@ -37,7 +38,11 @@ class IntegerForm:
 
     and then in float32 ``(d*y.d)*isum + m*y.s - (dmin*y.d)*msum``, each term present when
     its fields are. ggml's generic C accumulates those over the blocks of a row in order;
-    ``lanes`` and ``sumi_first`` record the two places where its order is not that one.
+    ``lanes``, ``sumi_first``, ``post`` and ``group`` record the places where its order is
+    not that one.
+
+    A block here may be smaller than the activation type's (NVFP4's 16, IQ4_XS's 32 against
+    Q8_K's 256): each then takes ``y.d`` of the activation block it lies in.
     """
 
     q: np.ndarray  # (n, block_size) int8: the integer each element enters the dot product as
@@ -58,6 +63,11 @@ class IntegerForm:
     isum_scale: float = 1.0
     # IQ2 and IQ3_XXS scale the row's float sum once at the end: row_scale * sumf.
     row_scale: float = 1.0
+    # IQ4_XS: a float factor per block applied after d*y.d, ((d*y.d)*post)*sumi.
+    post: np.ndarray | None = None  # (n, 1) float32
+    # Q1_0 / Q2_0: a weight block spans ``group`` activation blocks (the rows of ``q`` here);
+    # ggml sums y.d*sumi over them in float32 and multiplies the sum by d.
+    group: int = 1
 
     @property
     def sub_size(self) -> int:
@@ -82,8 +92,13 @@ class QuantType:
       numpy fields -> :class:`IntegerForm`, what the CPU arithmetic multiplies.
     * ``quantize_blocks(x)``: ``(n_blocks, block_size)`` float32 -> bytes, bit-exact with
       ggml's reference quantizer (``ggml_quantize_chunk`` without importance matrix).
-    * ``quantize_blocks_weighted(x, qw)`` (types whose ``imatrix_use`` is "optional" or
-      "required"): the same with an importance matrix, ``qw`` the importance of each value.
+    * ``quantize_weighted(rows, imatrix)`` (types whose ``imatrix_use`` is "optional" or
+      "required"):
+      ``(n_rows, n)`` float32 and the ``(n,)`` per-column importances -> ``(n_rows,
+      row_bytes)``, bit-exact with ``ggml_quantize_chunk`` given that importance matrix. The
+      default splits rows into blocks and calls ``quantize_blocks_weighted(x, qw)`` with each
+      block's slice of the importances; types whose weights depend on the whole row
+      (Q4_0 .. Q5_1) override it.
     """
 
     ggml_type: ClassVar[GGMLType]
@@ -123,10 +138,22 @@ class QuantType:
         raise NotImplementedError(f"{cls.ggml_type.name} has no quantizer")
 
     @classmethod
+    def quantize_weighted(cls, rows: np.ndarray, imatrix: np.ndarray) -> np.ndarray:
+        """``ggml_quantize_chunk`` with an importance matrix (see the class docstring)."""
+        n_rows, n = rows.shape
+        per_row = n // cls.block_size
+        blocks = rows.reshape(n_rows * per_row, cls.block_size)
+        # every row is weighted by the same importances: (n_rows, per_row, block) -> blocks
+        qw = np.broadcast_to(
+            imatrix.reshape(1, per_row, cls.block_size), (n_rows, per_row, cls.block_size)
+        )
+        out = cls.quantize_blocks_weighted(blocks, np.ascontiguousarray(qw).reshape(blocks.shape))
+        return out.reshape(n_rows, per_row * cls.type_size)
+
+    @classmethod
     def quantize_blocks_weighted(cls, x: np.ndarray, qw: np.ndarray) -> np.ndarray:
-        """``(n_blocks, block_size)`` float32 and the importance of each value (same shape)
-        -> bytes, bit-exact with ``ggml_quantize_chunk`` given that importance matrix."""
-        raise NotImplementedError(f"{cls.ggml_type.name} has no quantizer with an imatrix")
+        """``(n_blocks, block_size)`` float32 values and importances -> bytes."""
+        raise NotImplementedError(f"{cls.ggml_type.name} has no importance-weighted quantizer")
 
     @classmethod
     def _check_rounding(cls, rounding: str) -> None:

@@ -35,6 +35,8 @@ class BF16(QuantType, ggml_type=GGMLType.BF16, vec_dot_type="BF16"):
     value = the float32 whose top half is these bits and whose low half is zero.
     """
 
+    imatrix_use = "ignored"  # ggml_quantize_chunk gives the same bytes with one
+
     @classmethod
     def unpack(cls, blocks: np.ndarray) -> Fields:
         u = np.ascontiguousarray(blocks).view("<u2").astype(np.uint32) << 16

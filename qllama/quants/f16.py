@@ -23,6 +23,8 @@ class F16(QuantType, ggml_type=GGMLType.F16, vec_dot_type="F16"):
     Widening to float32 is exact. The CPU also rounds activations to F16 for F16 weights.
     """
 
+    imatrix_use = "ignored"  # ggml_quantize_chunk gives the same bytes with one
+
     @classmethod
     def unpack(cls, blocks: np.ndarray) -> Fields:
         x = read_fp16(blocks)

@@ -23,6 +23,8 @@ class F32(QuantType, ggml_type=GGMLType.F32, vec_dot_type="F32"):
     Stored as is: quantize and dequantize copy bits (NaN payloads included).
     """
 
+    imatrix_use = "ignored"  # ggml_quantize_chunk gives the same bytes with one
+
     @classmethod
     def unpack(cls, blocks: np.ndarray) -> Fields:
         return {"x": read_fp32(blocks)}

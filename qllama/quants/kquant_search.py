@@ -90,8 +90,10 @@ def make_qkx2_quants(
 GROUP_MAX_EPS = F32(1e-15)
 
 
-def make_qx_quants(xt: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
-    """ggml ``make_qx_quants(n, nmax, x, L, rmse_type=1, qw=NULL)`` for many groups at once.
+def make_qx_quants(
+    xt: np.ndarray, nmax: int, weights: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """ggml ``make_qx_quants(n, nmax, x, L, rmse_type=1, qw)`` for many groups at once.
 
     ``xt`` is ``(n, groups)`` float32, one group per column: element-major, so each step of
     ggml's sequential loop over a group's n elements is one contiguous row. Returns ``L``
@@ -99,13 +101,14 @@ def make_qx_quants(xt: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
 
     The symmetric scale search: start from iscale = -nmax/max (max = the signed value of
     largest magnitude), then try 18 nearby iscales and keep the one with the best weighted
-    least-squares fit (weights x**2).
+    least-squares fit: weights x**2, or ``weights`` (laid out as ``xt``; the importance
+    matrix's ``qw``).
     """
     xt = np.asarray(xt, dtype=F32)
     mx = first_absmax(xt, axis=0)[0]
     zero = np.abs(mx) < GROUP_MAX_EPS
     mx = np.where(zero, F32(1), mx)  # the zero groups' results are overwritten below
-    w = xt * xt
+    w = xt * xt if weights is None else np.asarray(weights, dtype=F32)
     wx = w * xt
 
     def fit(iscale: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -183,6 +186,76 @@ def make_q3_quants(xt: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
             active = active[changed]
         scale = np.where(suml2 > 0, sumlx / suml2, F32(0))
     lq = np.where(zero, 0, lq + nmax).astype(np.uint8)
+    return lq, np.where(zero, F32(0), scale).astype(F32)
+
+
+def make_qp_quants(xt: np.ndarray, wt: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
+    """ggml ``make_qp_quants(n, nmax, x, L, quant_weights)`` for many groups at once: the
+    unsigned fit ``x ~ scale * L`` of non-negative values (the sub-block scales and mins of
+    Q2_K, Q4_K and Q5_K with an importance matrix; IQ2_XXS seeds its search with it).
+
+    ``xt``, ``wt``: ``(n, groups)`` float32, element-major. Returns ``L`` ``(n, groups)``
+    uint8 (at most ``nmax``; a negative level wraps as ggml's uint8 store does) and the
+    scales ``(groups,)``: 0 where the group's max is below 1e-15.
+
+    Nine iscales ``(nmax + 0.1 is) / max`` are tried on the weighted squared error (the first
+    one unclamped, as in C), then up to 5 passes of coordinate descent move one level at a
+    time while ``sumlx**2 / suml2`` grows; a group stops after a pass that changed nothing.
+    """
+    xt = np.asarray(xt, dtype=F32)
+    wt = np.asarray(wt, dtype=F32)
+    n = xt.shape[0]
+    # C: max = MAX(max, x[i]) from 0 (a NaN x[i] replaces the running max)
+    mx = np.zeros(xt.shape[1], dtype=F32)
+    for row in xt:
+        mx = np.where(mx > row, mx, row)
+    zero = mx < GROUP_MAX_EPS
+    mx = np.where(zero, F32(1), mx)
+
+    def mse(scale: np.ndarray, lq: np.ndarray) -> np.ndarray:
+        diff = xt - scale * lq.astype(F32)
+        return c_sum(wt * diff * diff)  # C: w*diff*diff
+
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        iscale = F32(nmax) / mx
+        first = nearest_int(iscale * xt) & 0xFF  # stored into uint8 L, unclamped
+        best = mse(F32(1) / iscale, first)
+        for step in (*range(-4, 0), *range(1, 5)):
+            iscale_is = (F32(0.1) * F32(step) + F32(nmax)) / mx
+            err = mse(F32(1) / iscale_is, np.minimum(nmax, nearest_int(iscale_is * xt)))
+            better = err < best
+            best = np.where(better, err, best)
+            iscale = np.where(better, iscale_is, iscale)
+        lq = np.minimum(nmax, nearest_int(iscale * xt))
+        wx = wt * xt
+        sumlx = c_sum(wx * lq.astype(F32))  # C: w*x[i]*l, w*l*l with the int l
+        suml2 = c_sum(wt * lq.astype(F32) * lq.astype(F32))
+        lq = (lq & 0xFF).astype(np.int64)  # L is uint8 from here on
+        active = np.flatnonzero(~zero)
+        for _ in range(5):
+            if active.size == 0:
+                break
+            x_a, w_a, wx_a, l_a = xt[:, active], wt[:, active], wx[:, active], lq[:, active]
+            slx_a, sl2_a = sumlx[active], suml2[active]
+            changed = np.zeros(active.size, dtype=bool)
+            for i in range(n):
+                li = l_a[i].astype(F32)
+                slx = slx_a - wx_a[i] * li
+                sl2 = sl2_a - w_a[i] * li * li
+                new_l = np.minimum(nmax, nearest_int(x_a[i] * sl2 / slx)).astype(np.int64)
+                tried = (slx > 0) & (sl2 > 0) & (new_l != l_a[i])
+                nf = new_l.astype(F32)
+                slx = slx + wx_a[i] * nf
+                sl2 = sl2 + w_a[i] * nf * nf
+                take = tried & (slx * slx * sl2_a > slx_a * slx_a * sl2)
+                l_a[i] = np.where(take, new_l & 0xFF, l_a[i])
+                slx_a = np.where(take, slx, slx_a)
+                sl2_a = np.where(take, sl2, sl2_a)
+                changed |= take
+            lq[:, active], sumlx[active], suml2[active] = l_a, slx_a, sl2_a
+            active = active[changed]
+        scale = np.where(suml2 > 0, sumlx / suml2, F32(0))
+    lq = np.where(zero, 0, lq).astype(np.uint8)
     return lq, np.where(zero, F32(0), scale).astype(F32)
 
 

@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 
 from qllama.ggml_types import GGMLType
+from qllama.quants import weighted
 from qllama.quants.base import Fields, IntegerForm, QuantType, Rounding
 from qllama.quants.kquant_search import requantize, search_sub_blocks, super_scale
 from qllama.quants.rounding import F32, fp16_bytes, read_fp16
@@ -29,6 +30,8 @@ class Q2_K(QuantType, ggml_type=GGMLType.Q2_K, vec_dot_type="Q8_K"):
     Element ``e = 128n + 32j + l`` is bits ``2j, 2j+1`` of ``qs[32n + l]``, in sub-block
     ``e // 16``. value = (d * sc) * q - (dmin * m).
     """
+
+    imatrix_use = "optional"
 
     @classmethod
     def unpack(cls, blocks: np.ndarray) -> Fields:
@@ -82,6 +85,19 @@ class Q2_K(QuantType, ggml_type=GGMLType.Q2_K, vec_dot_type="Q8_K"):
         dd = d * (packed & 15).astype(F32)
         dm = dmin * (packed >> 4).astype(F32)
         lq = requantize(x.reshape(nb, 16, 16), dd, lq, lo=0, hi=3, dm=dm)
+        return cls._pack(packed, lq, d, dmin)
+
+    @classmethod
+    def quantize_blocks_weighted(cls, x: np.ndarray, qw: np.ndarray) -> np.ndarray:
+        """quantize_row_q2_K_impl."""
+        return cls._pack(*weighted.q2_k(x, qw))
+
+    @classmethod
+    def _pack(
+        cls, packed: np.ndarray, lq: np.ndarray, d: np.ndarray, dmin: np.ndarray
+    ) -> np.ndarray:
+        """Scale bytes ``(n, 16)``, L ``(n, 16, 16)``, float32 d and dmin ``(n, 1)`` -> bytes."""
+        nb = lq.shape[0]
         # (nb, 2, 4, 32): the four 32-runs of a 128 half share bytes, run j at bits 2j
         runs = lq.reshape(nb, 2, 4, 32) << (2 * np.arange(4, dtype=np.uint8))[:, None]
         out = np.empty((nb, cls.type_size), dtype=np.uint8)

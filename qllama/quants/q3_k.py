@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 
 from qllama.ggml_types import GGMLType
+from qllama.quants import weighted
 from qllama.quants.base import Fields, IntegerForm, QuantType, Rounding
 from qllama.quants.kquant_search import make_q3_quants, quantize_groups_16, requantize
 from qllama.quants.rounding import F32, first_absmax, fp16, fp16_bytes, nearest_int, read_fp16
@@ -19,14 +20,20 @@ def _scales_and_bytes(xs: np.ndarray, lq: np.ndarray, scales: np.ndarray) -> np.
     """The 6-bit group scales under one fp16 super-scale, L requantized against the stored
     scales, and the Q3_K bytes, from the search's ``(n, 16, 16)`` x and L and ``(n, 16)``
     group scales."""
-    nb = xs.shape[0]
     # ggml tests max_scale != 0 here (no epsilon); a zero one leaves the scale bytes 0
     max_scale = first_absmax(scales, axis=1)
     has = max_scale != 0
     iscale = F32(-32) / np.where(has, max_scale, F32(1))
     ls = np.where(has, np.clip(nearest_int(iscale * scales), -32, 31) + 32, 0)
     d_raw = np.where(has, F32(1) / iscale, F32(0))
-    # requantize against the stored scales; a zero dd keeps make_q3_quants' L (stale)
+    return _pack(xs, lq, ls, d_raw)
+
+
+def _pack(xs: np.ndarray, lq: np.ndarray, ls: np.ndarray, d_raw: np.ndarray) -> np.ndarray:
+    """x and the search's L ``(n, 16, 16)``, the 6-bit scales ``(n, 16)`` (offset 32) and the
+    float32 d ``(n, 1)`` -> L requantized against the stored scales, and the Q3_K bytes."""
+    nb = xs.shape[0]
+    # requantize against the stored scales; a zero dd keeps the search's L (stale)
     dd = fp16(d_raw) * (ls - 32).astype(F32)
     lq = requantize(xs, dd, lq, lo=-4, hi=3)
 
@@ -70,6 +77,8 @@ class Q3_K(QuantType, ggml_type=GGMLType.Q3_K, vec_dot_type="Q8_K"):
 
     value[e] = (d * (s[e // 16] - 32)) * (q[e] - 4).
     """
+
+    imatrix_use = "optional"
 
     @classmethod
     def unpack(cls, blocks: np.ndarray) -> Fields:
@@ -120,3 +129,9 @@ class Q3_K(QuantType, ggml_type=GGMLType.Q3_K, vec_dot_type="Q8_K"):
         """quantize_row_q3_K_ref, all blocks at once."""
         cls._check_rounding(rounding)
         return quantize_groups_16(np.asarray(x, dtype=F32), make_q3_quants, 4, _scales_and_bytes)
+
+    @classmethod
+    def quantize_blocks_weighted(cls, x: np.ndarray, qw: np.ndarray) -> np.ndarray:
+        """quantize_row_q3_K_impl: the group and scale fits both make_qx_quants, weighted."""
+        lq, ls, d = weighted.q3_k(x, qw)
+        return _pack(x.reshape(-1, 16, 16), lq, ls, d)

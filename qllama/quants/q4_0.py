@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 
 from qllama.ggml_types import GGMLType
+from qllama.quants import weighted
 from qllama.quants.base import Fields, IntegerForm, QuantType, Rounding
 from qllama.quants.nibbles import codes, pack_nibbles, quantize_symmetric
 from qllama.quants.rounding import fp16_bytes, read_fp16
@@ -26,6 +27,8 @@ class Q4_0(QuantType, ggml_type=GGMLType.Q4_0, vec_dot_type="Q8_0"):
     value = (q - 8) * d.
     """
 
+    imatrix_use = "optional"
+
     @classmethod
     def unpack(cls, blocks: np.ndarray) -> Fields:
         return {"d": read_fp16(blocks[:, :2]), "qs": blocks[:, 2:]}
@@ -42,8 +45,17 @@ class Q4_0(QuantType, ggml_type=GGMLType.Q4_0, vec_dot_type="Q8_0"):
     @classmethod
     def quantize_blocks(cls, x: np.ndarray, *, rounding: Rounding = "ref") -> np.ndarray:
         cls._check_rounding(rounding)
-        d, q = quantize_symmetric(x, 15)
-        out = np.empty((x.shape[0], cls.type_size), dtype=np.uint8)
+        return cls._pack(*quantize_symmetric(x, 15))
+
+    @classmethod
+    def quantize_weighted(cls, rows: np.ndarray, imatrix: np.ndarray) -> np.ndarray:
+        """quantize_row_q4_0_impl: make_qx_quants(32, 8, ...) on weights over the row."""
+        return weighted.legacy_rows(rows, imatrix, 8, cls._pack, offset=False)
+
+    @classmethod
+    def _pack(cls, d: np.ndarray, q: np.ndarray) -> np.ndarray:
+        """The float32 scales ``(n, 1)`` and codes ``(n, 32)`` -> bytes."""
+        out = np.empty((q.shape[0], cls.type_size), dtype=np.uint8)
         out[:, :2] = fp16_bytes(d)
         out[:, 2:] = pack_nibbles(q)
         return out

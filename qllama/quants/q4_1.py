@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 
 from qllama.ggml_types import GGMLType
+from qllama.quants import weighted
 from qllama.quants.base import Fields, IntegerForm, QuantType, Rounding
 from qllama.quants.nibbles import codes, pack_nibbles, quantize_offset, scale_and_offset
 from qllama.quants.rounding import fp16_bytes, read_fp16
@@ -24,6 +25,8 @@ class Q4_1(QuantType, ggml_type=GGMLType.Q4_1, vec_dot_type="Q8_1"):
 
     value = q * d + m (two roundings, no FMA), with m the block minimum.
     """
+
+    imatrix_use = "optional"
 
     @classmethod
     def unpack(cls, blocks: np.ndarray) -> Fields:
@@ -45,8 +48,17 @@ class Q4_1(QuantType, ggml_type=GGMLType.Q4_1, vec_dot_type="Q8_1"):
     @classmethod
     def quantize_blocks(cls, x: np.ndarray, *, rounding: Rounding = "ref") -> np.ndarray:
         cls._check_rounding(rounding)
-        d, mn, q = quantize_offset(x, 15, capped=True)
-        out = np.empty((x.shape[0], cls.type_size), dtype=np.uint8)
+        return cls._pack(*quantize_offset(x, 15, capped=True))
+
+    @classmethod
+    def quantize_weighted(cls, rows: np.ndarray, imatrix: np.ndarray) -> np.ndarray:
+        """quantize_row_q4_1_impl: make_qkx3_quants(32, 15, ...) on weights over the row."""
+        return weighted.legacy_rows(rows, imatrix, 15, cls._pack, offset=True)
+
+    @classmethod
+    def _pack(cls, d: np.ndarray, mn: np.ndarray, q: np.ndarray) -> np.ndarray:
+        """The float32 scales and mins ``(n, 1)`` and codes ``(n, 32)`` -> bytes."""
+        out = np.empty((q.shape[0], cls.type_size), dtype=np.uint8)
         out[:, :2] = fp16_bytes(d)
         out[:, 2:4] = fp16_bytes(mn)
         out[:, 4:] = pack_nibbles(q)

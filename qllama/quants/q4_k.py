@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 
 from qllama.ggml_types import GGMLType
+from qllama.quants import weighted
 from qllama.quants.base import Fields, IntegerForm, QuantType, Rounding
 from qllama.quants.kquant_search import (
     dequantize_k4,
@@ -33,6 +34,8 @@ class Q4_K(QuantType, ggml_type=GGMLType.Q4_K, vec_dot_type="Q8_K"):
     (sub-block ``2c + 1``). value = (d * sc) * q - (dmin * m).
     """
 
+    imatrix_use = "optional"
+
     @classmethod
     def unpack(cls, blocks: np.ndarray) -> Fields:
         return {
@@ -54,4 +57,10 @@ class Q4_K(QuantType, ggml_type=GGMLType.Q4_K, vec_dot_type="Q8_K"):
     def quantize_blocks(cls, x: np.ndarray, *, rounding: Rounding = "ref") -> np.ndarray:
         cls._check_rounding(rounding)
         header, lq = quantize_k4(x, nmax=15, rmin=-1.0, nstep=20)
+        return np.concatenate([header, pack_nibbles_k4(lq)], axis=1)
+
+    @classmethod
+    def quantize_blocks_weighted(cls, x: np.ndarray, qw: np.ndarray) -> np.ndarray:
+        """quantize_row_q4_K_impl."""
+        header, lq = weighted.k4(x, qw, nmax=15)
         return np.concatenate([header, pack_nibbles_k4(lq)], axis=1)

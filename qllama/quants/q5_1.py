@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 
 from qllama.ggml_types import GGMLType
+from qllama.quants import weighted
 from qllama.quants.base import Fields, IntegerForm, QuantType, Rounding
 from qllama.quants.nibbles import (
     codes,
@@ -32,6 +33,8 @@ class Q5_1(QuantType, ggml_type=GGMLType.Q5_1, vec_dot_type="Q8_1"):
     q = nibble | fifth bit << 4; value = q * d + m (two roundings, no FMA).
     """
 
+    imatrix_use = "optional"
+
     @classmethod
     def unpack(cls, blocks: np.ndarray) -> Fields:
         return {
@@ -53,8 +56,17 @@ class Q5_1(QuantType, ggml_type=GGMLType.Q5_1, vec_dot_type="Q8_1"):
     @classmethod
     def quantize_blocks(cls, x: np.ndarray, *, rounding: Rounding = "ref") -> np.ndarray:
         cls._check_rounding(rounding)
-        d, mn, q = quantize_offset(x, 31, capped=False)
-        out = np.empty((x.shape[0], cls.type_size), dtype=np.uint8)
+        return cls._pack(*quantize_offset(x, 31, capped=False))
+
+    @classmethod
+    def quantize_weighted(cls, rows: np.ndarray, imatrix: np.ndarray) -> np.ndarray:
+        """quantize_row_q5_1_impl: make_qkx3_quants(32, 31, ...) on weights over the row."""
+        return weighted.legacy_rows(rows, imatrix, 31, cls._pack, offset=True)
+
+    @classmethod
+    def _pack(cls, d: np.ndarray, mn: np.ndarray, q: np.ndarray) -> np.ndarray:
+        """The float32 scales and mins ``(n, 1)`` and 5-bit codes ``(n, 32)`` -> bytes."""
+        out = np.empty((q.shape[0], cls.type_size), dtype=np.uint8)
         out[:, :2] = fp16_bytes(d)
         out[:, 2:4] = fp16_bytes(mn)
         out[:, 4:8] = pack_fifth_bits(q)

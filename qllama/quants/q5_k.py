@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 
 from qllama.ggml_types import GGMLType
+from qllama.quants import weighted
 from qllama.quants.base import Fields, IntegerForm, QuantType, Rounding
 from qllama.quants.kquant_search import (
     dequantize_k4,
@@ -32,6 +33,8 @@ class Q5_K(QuantType, ggml_type=GGMLType.Q5_K, vec_dot_type="Q8_K"):
     is bit ``2c`` of ``qh[l]``, of element ``64c + 32 + l`` bit ``2c + 1``.
     value = (d * sc) * q - (dmin * m), q in [0, 31].
     """
+
+    imatrix_use = "optional"
 
     @classmethod
     def unpack(cls, blocks: np.ndarray) -> Fields:
@@ -63,7 +66,16 @@ class Q5_K(QuantType, ggml_type=GGMLType.Q5_K, vec_dot_type="Q8_K"):
     @classmethod
     def quantize_blocks(cls, x: np.ndarray, *, rounding: Rounding = "ref") -> np.ndarray:
         cls._check_rounding(rounding)
-        header, lq = quantize_k4(x, nmax=31, rmin=-0.5, nstep=15)
+        return cls._pack(*quantize_k4(x, nmax=31, rmin=-0.5, nstep=15))
+
+    @classmethod
+    def quantize_blocks_weighted(cls, x: np.ndarray, qw: np.ndarray) -> np.ndarray:
+        """quantize_row_q5_K_impl."""
+        return cls._pack(*weighted.k4(x, qw, nmax=31))
+
+    @classmethod
+    def _pack(cls, header: np.ndarray, lq: np.ndarray) -> np.ndarray:
+        """The 16 header bytes and L ``(n, 8, 32)`` -> bytes."""
         # (nb, 8, 32): the fifth bit of sub-block s becomes bit s of qh
         qh = np.bitwise_or.reduce((lq >> 4) << np.arange(8, dtype=np.uint8)[:, None], axis=1)
         return np.concatenate([header, qh, pack_nibbles_k4(lq & 15)], axis=1)

@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 
 from qllama.ggml_types import GGMLType
+from qllama.quants import weighted
 from qllama.quants.base import Fields, IntegerForm, QuantType, Rounding
 from qllama.quants.kquant_search import (
     GROUP_MAX_EPS,
@@ -68,6 +69,8 @@ class Q6_K(QuantType, ggml_type=GGMLType.Q6_K, vec_dot_type="Q8_K"):
     value[e] = (d * scales[e // 16]) * (q[e] - 32).
     """
 
+    imatrix_use = "optional"
+
     @classmethod
     def unpack(cls, blocks: np.ndarray) -> Fields:
         return {
@@ -108,3 +111,8 @@ class Q6_K(QuantType, ggml_type=GGMLType.Q6_K, vec_dot_type="Q8_K"):
         """quantize_row_q6_K_ref, all blocks at once."""
         cls._check_rounding(rounding)
         return quantize_groups_16(np.asarray(x, dtype=F32), make_qx_quants, 32, _scales_and_bytes)
+
+    @classmethod
+    def quantize_blocks_weighted(cls, x: np.ndarray, qw: np.ndarray) -> np.ndarray:
+        """quantize_row_q6_K_impl: the reference with ``qw`` as make_qx_quants' weights."""
+        return _scales_and_bytes(*weighted.q6_k(x, qw))

@@ -61,6 +61,7 @@ class Q8_0(QuantType, ggml_type=GGMLType.Q8_0, vec_dot_type="Q8_0"):
     """
 
     roundings = ("ref", "simd")
+    imatrix_use = "ignored"  # ggml_quantize_chunk gives the same bytes with one
 
     @classmethod
     def unpack(cls, blocks: np.ndarray) -> Fields:
