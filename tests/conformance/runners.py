@@ -48,18 +48,21 @@ class LlamaCpp:
         self.model.eval(ids)
         return np.array(self.model.scores[: len(ids)], dtype=np.float32)
 
-    def greedy(self, ids: list[int], n: int) -> list[int]:
-        """``n`` greedy tokens after ``ids`` (prefill, then one token at a time)."""
+    def greedy(self, ids: list[int], n: int) -> tuple[list[int], Any]:
+        """``n`` greedy tokens after ``ids`` (prefill, then one token at a time), and the
+        logits each was chosen from: (n, vocab) float32."""
         import numpy as np
 
         self.model.reset()
         self.model.eval(ids)
         out: list[int] = []
+        steps = []
         for _ in range(n):
-            nxt = int(np.argmax(self.model.scores[self.model.n_tokens - 1]))
-            out.append(nxt)
-            self.model.eval([nxt])
-        return out
+            step = np.array(self.model.scores[self.model.n_tokens - 1], dtype=np.float32)
+            steps.append(step)
+            out.append(int(np.argmax(step)))
+            self.model.eval([out[-1]])
+        return out, np.stack(steps)
 
     def close(self) -> None:
         self.model.close()

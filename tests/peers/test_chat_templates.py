@@ -168,6 +168,8 @@ def test_llama_cpp_c_engine(models: Path, family: str, conversation: str) -> Non
         )
     except ChatTemplateError:
         assert (family, conversation) == ("gemma2", "system")  # the template refuses it
+        # the C engine trims the system text and puts it before the first user message
+        assert theirs.startswith("<start_of_turn>user\nBe brief.\n\nHello, world \n  ok?")
         return
     assert (as_llama_cpp_prompt(ours, tok) == theirs) == C_ENGINE_AGREES[family, conversation]
 
