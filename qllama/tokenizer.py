@@ -60,6 +60,8 @@ _UNKNOWN, _UNUSED, _NORMAL, _CONTROL, _USER_DEFINED, _BYTE = 1, 2, 4, 8, 16, 32
 _TYPE_ATTR = {0: 0, 1: _NORMAL, 2: _UNKNOWN, 3: _CONTROL, 4: _USER_DEFINED, 5: _UNUSED, 6: _BYTE}
 _SPECIAL = _UNKNOWN | _CONTROL  # rendered only when special tokens are wanted
 _PARSED = _UNKNOWN | _CONTROL | _USER_DEFINED  # recognised whole in input text
+_LSTRIP, _RSTRIP = 128, 256  # a parsed token eats the whitespace before / after it
+_C_SPACE = " \t\n\v\f\r"  # C's isspace, what llama.cpp strips
 
 # Token texts llama.cpp treats as end of turn / generation even without a key saying so
 # (src/llama-vocab.cpp, "auto-detect special tokens by text"); all of them become CONTROL.
@@ -356,6 +358,7 @@ class Vocabulary:
         for i, t in enumerate(tokens):
             if t in _CONTROL_NAMES:
                 attrs[i] |= _CONTROL
+        _strip_by_name(_string(kv, "general.name"), tokens, attrs)
         if eot is None:
             eot = next((vocab[t] for t in EOT_NAMES if t in vocab), None)
         stop = {i for i in (eos, eot, eom, *keyed_ends) if i is not None}
@@ -378,6 +381,22 @@ class Vocabulary:
             add_eos=_flag(kv, "tokenizer.ggml.add_eos_token", False),
             add_space_prefix=_flag(kv, "tokenizer.ggml.add_space_prefix", kind == "llama"),
         )
+
+
+def _strip_by_name(name: str | None, tokens: tuple[str, ...], attrs: list[int]) -> None:
+    """llama.cpp's token attributes "by model name" (src/llama-vocab.cpp): a model whose
+    ``general.name`` contains phi-3 or phi3 (any case) has every parsed token eat the
+    whitespace after it, as Phi-3's own tokenizer (rstrip) does, except <unk>, <s> and
+    <|endoftext|>; </s> too. (Its <mask> rules are for BERT-style vocabularies qllama does not
+    run.) So "<|user|>\nHi" is <|user|> then "Hi", without the newline."""
+    lowered = (name or "").lower()
+    if "phi-3" not in lowered and "phi3" not in lowered:
+        return
+    for i, t in enumerate(tokens):
+        if attrs[i] & _PARSED or t == "</s>":
+            attrs[i] |= _RSTRIP
+        if t in ("<unk>", "<s>", "<|endoftext|>"):
+            attrs[i] &= ~_RSTRIP
 
 
 # --- pieces: what each token renders as ------------------------------------------------------
@@ -467,6 +486,8 @@ class Tokenizer:
         parsed.sort(key=lambda ti: (-len(ti[0].encode()), ti[1]))
         self._parsed = tuple(parsed)
         self._user_defined = tuple((t, i) for t, i in parsed if vocab.attrs[i] & _USER_DEFINED)
+        self._lstrip = frozenset(i for i, a in enumerate(vocab.attrs) if a & _LSTRIP)
+        self._rstrip = frozenset(i for i, a in enumerate(vocab.attrs) if a & _RSTRIP)
         self._ids = {t: i for i, t in enumerate(vocab.tokens)}
         self._strip_space = vocab.kind == "llama" and vocab.add_space_prefix
 
@@ -555,19 +576,25 @@ class Tokenizer:
         return text
 
     def _partition(self, text: str, special: bool) -> list[str | int]:
-        """Cut the special tokens out of ``text``: llama.cpp's tokenizer_st_partition."""
+        """Cut the special tokens out of ``text``: llama.cpp's tokenizer_st_partition (a token
+        with LSTRIP / RSTRIP also takes the whitespace before / after it in its fragment)."""
         parts: list[str | int] = [text]
         for tok, tid in self._parsed if special else self._user_defined:
             if tok not in text:
                 continue
+            lstrip, rstrip = tid in self._lstrip, tid in self._rstrip
             out: list[str | int] = []
             for p in parts:
                 if isinstance(p, int) or tok not in p:
                     out.append(p)
                     continue
-                for j, piece in enumerate(p.split(tok)):
+                pieces = p.split(tok)
+                for j, piece in enumerate(pieces):
                     if j:
                         out.append(tid)
+                        piece = piece.lstrip(_C_SPACE) if rstrip else piece
+                    if lstrip and j < len(pieces) - 1:
+                        piece = piece.rstrip(_C_SPACE)
                     if piece:
                         out.append(piece)
             parts = out

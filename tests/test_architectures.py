@@ -4,9 +4,10 @@ transformers and llama.cpp on converted files are in tests/peers/test_conformanc
 - each family's file loads and runs; step-by-step decoding equals one pass (the cache, the
   sliding windows, the per-layer RoPE at moving positions), on every backend;
 - every namespace computes the same numbers;
-- transformers, reading the same GGUF with ``gguf_file=``, is an independent f32 oracle for
-  the families it maps faithfully (llama, qwen2, qwen3, gemma2 and gemma3, the latter two with
-  ``query_pre_attn_scalar`` set as llama.cpp derives it);
+- transformers, reading the same GGUF with ``gguf_file=``, is an independent f32 oracle
+  (llama, qwen2, qwen3, gemma2, gemma3, phi3; the keys its reader drops set from the file);
+- transformers' modeling code on the original safetensors, for phi3 and gemma3 files made by
+  llama.cpp's converter (tests/conformance, cached);
 - what qllama does not compute is refused with a ModelConfigError naming it;
 - llama.cpp's own tokenizer tests (models/ggml-vocab-*.gguf with .inp/.out).
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -115,18 +117,43 @@ def test_every_namespace_computes_the_same_model(family: Path) -> None:
 
 # --- transformers reading the same GGUF: an independent f32 oracle -------------------------
 
-# transformers maps these families' keys faithfully from GGUF (reference/architectures.md §5);
-# for gemma its query_pre_attn_scalar default (256) is replaced by head_dim, as llama.cpp does
-ORACLE = {"llama-plain": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2"}
+# transformers' GGUF reader drops every key it does not map (reference/architectures.md §5):
+# where a family's file carries one, the test sets the field from the file's own value, so
+# that transformers computes the model the file describes. Each entry: the file, and what the
+# reader leaves at the config class's default.
 ORACLE_FILES = {
     "llama-plain": TinyConfig(arch="llama", head_dim=24, tied=False, **BASE),
     "qwen2": FAMILIES["qwen2"],
-    "qwen3": FAMILIES["qwen3"],
+    "qwen3": FAMILIES["qwen3"],  # attention.key_length: head_dim stays 128
     "gemma2": dataclasses.replace(FAMILIES["gemma2"], sliding_window=4096),
+    # query_pre_attn_scalar (not in GGUF: llama.cpp uses head_dim), and the sliding layers'
+    # rope.freq_base_swa (transformers keeps 10000)
+    "gemma3": FAMILIES["gemma3"],
+    "phi3": FAMILIES["phi3"],  # rope.dimension_count: transformers rotates the whole head
 }
 
 
-@pytest.mark.parametrize("name", ORACLE)
+def transformers_config(tmp_path: Path, path: Path, cfg: TinyConfig) -> Any:
+    """transformers' config of the file, with what its GGUF reader drops set from the file."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(tmp_path, gguf_file=path.name)
+    if cfg.arch.startswith("gemma"):
+        config.query_pre_attn_scalar = cfg.head_dim
+    if cfg.arch == "gemma3":
+        f = qllama.read_gguf(path)
+        config.rope_parameters["sliding_attention"]["rope_theta"] = f.get(
+            "gemma3.rope.freq_base_swa"
+        )
+        f.close()
+    if cfg.arch == "qwen3":
+        config.head_dim = cfg.head_dim
+    if cfg.arch == "phi3":
+        config.rope_parameters["partial_rotary_factor"] = cfg.n_rot / (cfg.n_embd // cfg.n_head)
+    return config
+
+
+@pytest.mark.parametrize("name", ORACLE_FILES)
 def test_transformers_reading_the_same_file(name: str, tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     pytest.importorskip("gguf")
@@ -136,13 +163,11 @@ def test_transformers_reading_the_same_file(name: str, tmp_path: Path) -> None:
     path = tmp_path / f"{name}.gguf"
     cfg = ORACLE_FILES[name]
     write_tiny(path, cfg)
-    config = transformers.AutoConfig.from_pretrained(tmp_path, gguf_file=path.name)
-    if cfg.arch.startswith("gemma"):
-        config.query_pre_attn_scalar = cfg.head_dim
-    if cfg.arch == "qwen3":
-        config.head_dim = cfg.head_dim  # transformers does not map qwen3's key_length
     hf = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path, gguf_file=path.name, config=config, dtype=torch.float32
+        tmp_path,
+        gguf_file=path.name,
+        config=transformers_config(tmp_path, path, cfg),
+        dtype=torch.float32,
     )
     with torch.no_grad():
         ref = hf(torch.tensor([IDS])).logits[0].numpy()
@@ -150,6 +175,44 @@ def test_transformers_reading_the_same_file(name: str, tmp_path: Path) -> None:
     got = to_numpy(m.forward(IDS, all_logits=True))
     assert np.abs(ref).max() > 0.5  # not flat: a wrong rotation or norm would show
     np.testing.assert_allclose(got, ref, rtol=0, atol=bound(m, ref))
+
+
+# --- transformers on the original safetensors: the conformance models ---------------------
+
+SPEC = 1e-5  # the issue's spec for qllama F32 against transformers, relative to max |logit|
+# phi3 and gemma3 files made by llama.cpp's converter from a tiny random transformers model
+# (tests/conformance; built in 15-30 s once, then cached): transformers runs its own modeling
+# code on the safetensors, so nothing depends on what its GGUF reader maps (partial rotary,
+# gemma3's linear x8 on the global layers and local base 1e4, a window shorter than the 64
+# tokens). tests/peers/test_conformance.py does this for every family, on every backend,
+# with llama.cpp as the third party.
+SAFETENSORS = ("phi3", "gemma3")
+
+
+def conformance_model(name: str) -> Any:
+    """A built conformance model; a skip only when the sdist cannot be downloaded."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("sentencepiece")
+    import conformance
+    from conformance.sources import Unreachable
+
+    try:
+        return conformance.build(name)
+    except Unreachable as e:
+        pytest.skip(str(e))
+
+
+@pytest.mark.parametrize("name", SAFETENSORS)
+def test_transformers_on_the_original_safetensors(name: str) -> None:
+    from conformance.runners import transformers_logits
+
+    built = conformance_model(name)
+    ref = transformers_logits(built, built.ids())
+    m = qllama.load(built.gguf, backend="numpy", activations="f32")
+    got = to_numpy(m.forward(built.ids(), all_logits=True))
+    assert np.abs(ref).max() > 1.0 and len(set(ref.argmax(axis=1).tolist())) > 4  # not flat
+    assert got.shape == ref.shape
+    assert float(np.abs(got - ref).max() / np.abs(ref).max()) <= SPEC
 
 
 # --- refusals --------------------------------------------------------------------------------
@@ -240,24 +303,37 @@ def test_qk_norm_granularity_is_checked(tmp_path: Path) -> None:
 SEPARATOR = "\n__ggml_vocab_test__\n"
 
 
-def _vocab_folder() -> Path:
-    root = Path(__file__).resolve().parents[1]
-    try:
-        out = subprocess.run(
-            [sys.executable, str(root / "tools" / "llama_cpp_build.py"), "source"],
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=600,
-        )
-    except (subprocess.SubprocessError, OSError):
-        pytest.skip("llama.cpp's source (the llama-cpp-python sdist) is not available")
-    return Path(out.stdout.strip().splitlines()[-1]) / "models"
-
-
 @pytest.fixture(scope="module")
 def vocab_folder() -> Path:
-    return _vocab_folder()
+    """llama.cpp's models folder: the llama-cpp-python sdist, downloaded from PyPI and unpacked
+    once into the qllama cache (tests/conformance/sources.py), read from there afterwards.
+    Nothing of it is committed; a test run without a network skips, any other failure fails."""
+    from conformance.sources import Unreachable, llama_cpp_source
+
+    try:
+        return llama_cpp_source() / "models"
+    except Unreachable as e:
+        pytest.skip(str(e))
+
+
+def test_an_unreachable_registry_is_told_apart(tmp_path: Path) -> None:
+    """The skip above is for a registry pip cannot reach, not for any failure: pip's own
+    output for a refused connection, and for a version that does not exist, told apart."""
+    from conformance.sources import PIP_BOUNDS, unreachable
+
+    def pip(*args: str) -> str:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir"]
+        env = {**os.environ, **PIP_BOUNDS, "PIP_DEFAULT_TIMEOUT": "5"}
+        out = subprocess.run(
+            [*cmd, "-d", str(tmp_path), *args], capture_output=True, text=True, env=env, timeout=120
+        )
+        assert out.returncode != 0
+        return out.stdout + out.stderr
+
+    refused = pip("--index-url", "https://127.0.0.1:9/simple", "llama-cpp-python==0.3.36")
+    missing = pip("--no-index", "--find-links", str(tmp_path), "llama-cpp-python==0.3.36")
+    assert unreachable(refused), refused
+    assert not unreachable(missing), missing
 
 
 def test_llama_cpp_tokenizer_vectors(vocab_folder: Path) -> None:

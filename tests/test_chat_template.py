@@ -3,6 +3,7 @@ templates refused within their budget."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import jinja2
@@ -438,3 +439,152 @@ def test_large_numbers_as_data_are_fine() -> None:
     t = "{{ '%d' % 20240131 }} {{ '{}'.format(1234567) }} {{ '%d'|format(12345678) }} "
     t += "{{ dict(a=10**7).a }} {{ 10**20 }}"
     assert render_chat(t, []) == "20240131 1234567 12345678 10000000 100000000000000000000"
+
+
+# --- the families' own templates (llama.cpp's models/templates) --------------------------------
+
+# The templates and conversations are tests/conformance/chats.py's; tests/peers/
+# test_chat_templates.py renders the same with llama.cpp (its Jinja and C engines) and
+# compares the ids with llama.cpp's tokenizer. Here: what holds without llama.cpp's code.
+
+
+@pytest.fixture(scope="module")
+def llama_cpp_models() -> Path:
+    """llama.cpp's models folder (templates, vocabularies) from the cached sdist."""
+    from conformance.sources import Unreachable, llama_cpp_source
+
+    try:
+        return llama_cpp_source() / "models"
+    except Unreachable as e:
+        pytest.skip(str(e))
+
+
+def _family_cases() -> list[tuple[str, str]]:
+    from conformance.chats import CONVERSATIONS, FAMILIES
+
+    return [(f, c) for f in FAMILIES for c in CONVERSATIONS]
+
+
+@pytest.mark.parametrize(("family", "conversation"), _family_cases())
+def test_family_templates_render_as_transformers(
+    llama_cpp_models: Path, family: str, conversation: str
+) -> None:
+    """Every family's real template, every conversation: qllama's text is transformers' (the
+    Jinja reference), including the refusals the template raises itself."""
+    from conformance.chats import CONVERSATIONS, KWARGS, template_path
+
+    render_jinja_template = pytest.importorskip(
+        "transformers.utils.chat_template_utils"
+    ).render_jinja_template
+    source = template_path(llama_cpp_models, family).read_text()
+    messages, generation = CONVERSATIONS[conversation]
+    tokens = {"bos_token": "<s>", "eos_token": "</s>", **KWARGS}
+    try:
+        (theirs,), _ = render_jinja_template(
+            [messages], chat_template=source, add_generation_prompt=generation, **tokens
+        )
+    except jinja2.TemplateError as e:  # the template's own raise_exception
+        with pytest.raises(ChatTemplateError, match=re.escape(str(e))):
+            render_chat(source, messages, add_generation_prompt=generation, **tokens)
+        return
+    assert render_chat(source, messages, add_generation_prompt=generation, **tokens) == theirs
+
+
+# The "system" conversation as each family's template writes it (bos_token "<s>", eos_token
+# "</s>"): Llama 3 trims every message and opens with its dated system turn; ChatML keeps the
+# text as given; Phi-3.5 puts each role tag on its own line; Mistral Nemo moves the system text
+# into the last user turn; Gemma 2 refuses a system message.
+SYSTEM_TEXTS = {
+    "llama3.1": (
+        "<s><|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: December 2023\n"
+        "Today Date: 26 Jul 2024\n\nBe brief.<|eot_id|><|start_header_id|>user<|end_header_id|>"
+        "\n\nHello, world \n  ok?<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+        "Hi! 🎉 l'été<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nBye<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    ),
+    "qwen2.5": (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n Hello, world \n  ok?"
+        "<|im_end|>\n<|im_start|>assistant\nHi! 🎉 l'été<|im_end|>\n<|im_start|>user\nBye\n\n"
+        "<|im_end|>\n<|im_start|>assistant\n"
+    ),
+    "phi3.5": (
+        "<|system|>\nBe brief.<|end|>\n<|user|>\n Hello, world \n  ok?<|end|>\n<|assistant|>\n"
+        "Hi! 🎉 l'été<|end|>\n<|user|>\nBye\n\n<|end|>\n<|assistant|>\n"
+    ),
+    "mistral-nemo": "<s>[INST] Hello, world \n  ok?[/INST]Hi! 🎉 l'été</s>[INST]Be brief.\n\nBye\n\n[/INST]",  # noqa: E501
+}
+SYSTEM_TEXTS["llama3.2"] = SYSTEM_TEXTS["llama3.1"]  # 3.2 differs in tool calls only
+SYSTEM_TEXTS["qwen3"] = SYSTEM_TEXTS["qwen2.5"]  # Qwen3 adds no default system prompt
+
+
+@pytest.mark.parametrize("family", [*SYSTEM_TEXTS, "gemma2"])
+def test_family_system_conversation_is_pinned(llama_cpp_models: Path, family: str) -> None:
+    from conformance.chats import CONVERSATIONS, KWARGS, template_path
+
+    source = template_path(llama_cpp_models, family).read_text()
+    messages, generation = CONVERSATIONS["system"]
+    tokens = {"bos_token": "<s>", "eos_token": "</s>", **KWARGS}
+    if family == "gemma2":
+        with pytest.raises(ChatTemplateError, match="System role not supported"):
+            render_chat(source, messages, add_generation_prompt=generation, **tokens)
+        return
+    assert (
+        render_chat(source, messages, add_generation_prompt=generation, **tokens)
+        == (SYSTEM_TEXTS[family])
+    )
+
+
+# llama.cpp's ids of the "system" conversation, each family's template and real vocabulary
+# (llama_tokenize, special tokens parsed; tests/peers/test_chat_templates.py recomputes them).
+# Phi-3's chat tokens eat the whitespace after them (llama.cpp's rule for models named
+# phi-3/phi3, Phi-3's rstrip): "<|user|>\nHi" is <|user|> then "▁Hi", without the newline.
+SYSTEM_IDS = {
+    ("llama3.1", "llama-bpe"): [
+        128000, 128006, 9125, 128007, 271, 38766, 1303, 33025, 2696, 25, 6790, 220, 2366, 18,
+        198, 15724, 2696, 25, 220, 1627, 10263, 220, 2366, 19, 271, 3513, 10015, 13, 128009,
+        128006, 882, 128007, 271, 9906, 11, 1917, 720, 220, 5509, 30, 128009, 128006, 78191,
+        128007, 271, 13347, 0, 11410, 236, 231, 326, 6, 39883, 128009, 128006, 882, 128007, 271,
+        1383, 68, 128009, 128006, 78191, 128007, 271,
+    ],
+    ("qwen2.5", "qwen2"): [
+        151644, 8948, 198, 3430, 9814, 13, 151645, 198, 151644, 872, 198, 21927, 11, 1879, 715,
+        220, 5394, 30, 151645, 198, 151644, 77091, 198, 13048, 0, 11162, 236, 231, 326, 6, 38783,
+        151645, 198, 151644, 872, 198, 1359, 68, 271, 151645, 198, 151644, 77091, 198,
+    ],
+    ("phi3.5", "phi-3"): [
+        32006, 1522, 11473, 29889, 32007, 32010, 15043, 29892, 3186, 29871, 13, 29871, 3431,
+        29973, 32007, 32001, 6324, 29991, 29871, 243, 162, 145, 140, 301, 29915, 7342, 32007,
+        32010, 2648, 29872, 13, 13, 32007, 32001,
+    ],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(("family", "vocab"), SYSTEM_IDS, ids=[f for f, _ in SYSTEM_IDS])
+def test_family_prompt_ids_are_llama_cpps(llama_cpp_models: Path, family: str, vocab: str) -> None:
+    from conformance.chats import CONVERSATIONS, KWARGS, template_path
+
+    tok = Tokenizer.from_gguf(llama_cpp_models / f"ggml-vocab-{vocab}.gguf")
+    chat = ChatTemplate(template_path(llama_cpp_models, family).read_text(), tok)
+    messages, generation = CONVERSATIONS["system"]
+    ids = chat.encode(messages, add_generation_prompt=generation, **KWARGS)
+    assert ids == SYSTEM_IDS[family, vocab]
+
+
+def test_phi3_strip_rule_follows_the_model_name(llama_cpp_models: Path) -> None:
+    """llama.cpp strips the whitespace after Phi-3's chat tokens because of the file's
+    general.name (phi-3 or phi3, any case), not its tokens: the same vocabulary under another
+    name keeps the newline, as llama.cpp then does."""
+    from qllama.ggml_types import ValueType
+    from qllama.gguf_reader import GGUFValue
+
+    f = read_gguf(llama_cpp_models / "ggml-vocab-phi-3.gguf")
+    text = "<|user|>\nHi<|end|>\n"
+    named = Tokenizer.from_metadata(f.kv)
+    renamed = Tokenizer.from_metadata({**f.kv, "general.name": GGUFValue(ValueType.STRING, "tiny")})
+    f.close()
+    user, end = named.token_id("<|user|>"), named.token_id("<|end|>")
+    stripped = named.encode(text, add_bos=False)
+    kept = renamed.encode(text, add_bos=False)
+    assert stripped[0] == user and stripped[-1] == end  # nothing after <|end|>
+    assert kept[-1] != end and len(kept) > len(stripped)  # the newlines stay
+    assert named.encode("Hi", add_bos=False) == renamed.encode("Hi", add_bos=False)

@@ -7,38 +7,49 @@ dimension other than n_embd / n_head where the family allows it; a sliding windo
 the test sequences; RoPE scaling where the family has it), given random weights large enough
 that the logits are far from flat, and saved with ``save_pretrained``. Its tokenizer is a tiny
 SentencePiece model trained offline (:func:`tokenizer_model`), with the family's chat tokens
-as user-defined symbols and its chat template. The converter (from the llama-cpp-python sdist:
-``tools/llama_cpp_build.py source``) writes the F32 GGUF.
+as user-defined symbols (special tokens of the saved tokenizer) and its chat template. The
+converter (from the llama-cpp-python sdist: tests/conformance/sources.py) writes the F32 GGUF.
 
-Everything is built once per content key (the spec, the seed, this file, the converter's
-version) into the qllama cache (``conformance/<key>``), atomically; nothing is committed.
+Everything is built once per content key (:func:`key`: the spec, the seed, this file, the
+converter's version, the versions of the packages that write the files) into the qllama cache
+(``conformance/<name>-<key>``), atomically; nothing is committed. A build takes 15 to 30 s;
+a cached model is found in milliseconds.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, field
+from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+from conformance.sources import llama_cpp_source
 
 ROOT = Path(__file__).resolve().parents[2]
 SEED = 0
 SEQ = 64  # tokens of every comparison: longer than the windows, long enough for RoPE to matter
 N_VOCAB = 384
 
-# (family, special tokens the chat template needs, the template file in llama.cpp's
-# models/templates); the tokens are user-defined symbols of the SentencePiece model
+# The special tokens of the families' chat templates (Llama 3, ChatML, Gemma, Phi-3, Mistral).
+# They are user-defined symbols of the SentencePiece model (ids 3, 4, ...: whole pieces, never
+# split) and special tokens of the saved tokenizer (added_tokens_decoder), so the converter
+# types them CONTROL, as in the families' real vocabularies, and both tokenizers parse them in
+# a rendered prompt as one token each.
 CHAT_TOKENS = [
     "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
     "<|im_start|>", "<|im_end|>", "<start_of_turn>", "<end_of_turn>",
-    "<|user|>", "<|assistant|>", "<|system|>", "<|end|>",
+    "<|user|>", "<|assistant|>", "<|system|>", "<|end|>", "[INST]", "[/INST]",
 ]  # fmt: skip
+FIRST_CHAT_TOKEN = 3  # after <unk> <s> </s>
 
 
 @dataclass(frozen=True)
@@ -75,6 +86,15 @@ MODELS: dict[str, Spec] = {
     s.name: s
     for s in (
         Spec("llama", "LlamaConfig", "llama", {**_BASE}, "meta-llama-Llama-3.1-8B-Instruct.jinja"),
+        Spec(
+            # rows of 256 and 512: the K-quant file types hold K-quants (Q4_K, Q5_K, Q6_K...), whose
+            # activations are quantized to Q8_K; the 64-wide models' rows fall back to Q5_0 / Q8_0
+            "llama-kquant",
+            "LlamaConfig",
+            "llama",
+            {**_BASE, "hidden_size": 256, "intermediate_size": 512},
+            "meta-llama-Llama-3.1-8B-Instruct.jinja",
+        ),
         Spec(
             "llama3-rope",  # Llama 3.1/3.2: the converter writes rope_freqs.weight
             "LlamaConfig",
@@ -186,28 +206,30 @@ MODELS: dict[str, Spec] = {
 }
 
 
-def llama_cpp_source() -> Path:
-    """llama.cpp's tree from the llama-cpp-python sdist (downloaded and unpacked once)."""
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "llama_cpp_build.py"), "source"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return Path(out.stdout.strip().splitlines()[-1])
-
-
 def cache_root() -> Path:
     from qllama.defaults import cache_dir
 
     return cache_dir() / "conformance"
 
 
+def llama_cpp_version() -> str:
+    """The llama-cpp-python version whose converter writes the files (tools/llama_cpp_build.py)."""
+    text = (ROOT / "tools" / "llama_cpp_build.py").read_text()
+    match = re.search(r'^VERSION = "([^"]+)"', text, re.MULTILINE)
+    assert match is not None, "tools/llama_cpp_build.py names no VERSION"
+    return match.group(1)
+
+
+BUILDERS = ("transformers", "torch", "sentencepiece", "safetensors")  # what writes the files
+
+
 def key(spec: Spec) -> str:
-    """The content key of a built model: spec, seed, this builder, the converter version."""
-    text = json.dumps([spec.name, spec.config_class, spec.config, spec.template, SEED])
+    """The content key of a built model: the spec, the seed, this builder's code, the
+    converter's version and the versions of the packages that write the files. The runners
+    (tests/conformance/runners.py) are not part of it: changing them rebuilds nothing."""
+    versions = {name: metadata.version(name) for name in BUILDERS}
+    text = json.dumps([dataclasses.asdict(spec), SEED, llama_cpp_version(), versions])
     text += Path(__file__).read_text()
-    text += (ROOT / "tools" / "llama_cpp_build.py").read_text()
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -294,6 +316,17 @@ def build_hf(spec: Spec, folder: Path) -> None:
         "add_bos_token": True,
         "add_eos_token": False,
         "model_max_length": spec.config["max_position_embeddings"],
+        "added_tokens_decoder": {
+            str(FIRST_CHAT_TOKEN + i): {
+                "content": t,
+                "special": True,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "single_word": False,
+            }
+            for i, t in enumerate(CHAT_TOKENS)
+        },
     }
     if spec.template is not None:
         tok_config["chat_template"] = (
@@ -328,7 +361,7 @@ class Built:
         import numpy as np
 
         rng = np.random.default_rng(seed)
-        first = 3 + 256 + len(CHAT_TOKENS)  # past <unk> <s> </s>, the bytes and the chat tokens
+        first = FIRST_CHAT_TOKEN + len(CHAT_TOKENS) + 256  # past the chat tokens and the bytes
         return [1, *rng.integers(first, self.spec.config["vocab_size"], n - 1).tolist()]
 
 
@@ -350,67 +383,3 @@ def build(name: str) -> Built:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return Built(spec, final / "hf", final / "model-f32.gguf")
-
-
-# --- llama.cpp (llama-cpp-python) on a converted or quantized file --------------------------
-
-KV_TYPES = {"f32": 0, "f16": 1}  # GGML_TYPE_F32, GGML_TYPE_F16
-
-
-class LlamaCpp:
-    """llama.cpp's CPU on one file through llama-cpp-python: logits of every position,
-    greedy decoding. ``kv`` is the KV cache's type (llama.cpp's default is f16)."""
-
-    def __init__(self, path: Path, *, kv: str = "f32", n_ctx: int = 256) -> None:
-        import llama_cpp
-
-        self.model = llama_cpp.Llama(
-            str(path),
-            n_ctx=n_ctx,
-            n_batch=n_ctx,
-            n_ubatch=n_ctx,
-            n_threads=2,
-            logits_all=True,
-            type_k=KV_TYPES[kv],
-            type_v=KV_TYPES[kv],
-            flash_attn=False,
-            swa_full=True,
-            seed=0,
-            verbose=False,
-        )
-
-    def logits(self, ids: list[int]) -> Any:
-        """(len(ids), vocab) float32: one forward pass over ``ids`` from an empty cache."""
-        import numpy as np
-
-        self.model.reset()
-        self.model.eval(ids)
-        return np.array(self.model.scores[: len(ids)], dtype=np.float32)
-
-    def greedy(self, ids: list[int], n: int) -> list[int]:
-        """``n`` greedy tokens after ``ids`` (prefill, then one token at a time)."""
-        import numpy as np
-
-        self.model.reset()
-        self.model.eval(ids)
-        out: list[int] = []
-        for _ in range(n):
-            nxt = int(np.argmax(self.model.scores[self.model.n_tokens - 1]))
-            out.append(nxt)
-            self.model.eval([nxt])
-        return out
-
-    def close(self) -> None:
-        self.model.close()
-
-
-def transformers_logits(built: Built, ids: list[int]) -> Any:
-    """transformers' own modeling code on the saved safetensors, f32, eager attention."""
-    import torch
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        built.hf, dtype=torch.float32, attn_implementation="eager"
-    )
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0].numpy()
