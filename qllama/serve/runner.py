@@ -57,6 +57,7 @@ class ServerThread:
     """
 
     def __init__(self, app: Any, host: str = LOCALHOST, *, log_level: str = "warning") -> None:
+        self.app = app
         self.sock = bind(host, 0)
         self.host, self.port = self.sock.getsockname()[:2]
         self.server = _server(app, self.sock, log_level)
@@ -74,6 +75,9 @@ class ServerThread:
             self.error = e
 
     def start(self, timeout: float = 60.0) -> ServerThread:
+        """Start serving (once; a started server is returned as it is)."""
+        if self.thread.ident is not None:
+            return self
         self.thread.start()
         deadline = time.monotonic() + timeout
         while not self.server.started:
