@@ -139,7 +139,9 @@ plans = st.lists(
 )
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(plan=plans)
 def test_any_batch_equals_each_sequence_alone(llama_q8: Any, plan: list[Any]) -> None:
     """Any mix of prompts, decode steps and chunks: the CPU arithmetic's bits do not move."""
