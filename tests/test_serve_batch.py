@@ -91,7 +91,17 @@ def family_f32(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
 
 
 def test_cpu_arithmetic_batch_is_bit_exact(family_q8: Path) -> None:
-    m = load(family_q8, CPU)
+    check_exact(load(family_q8, CPU))
+
+
+def test_cpu_oracle_batch_is_bit_exact(tmp_path: Path) -> None:
+    """The numpy oracle of the CPU arithmetic (the compiled kernels' reference) as well."""
+    path = tmp_path / "llama-q8.gguf"
+    write_tiny(path, dataclasses.replace(FAMILIES["llama"], weight_type="Q8_0"))
+    check_exact(load(path, ("numpy", {"kernels": "numpy"})))
+
+
+def check_exact(m: Any) -> None:
     got = batched(m, PLAN)
     for j, (history, new, every) in enumerate(PLAN):
         want = alone(m, history, new, every)
