@@ -352,7 +352,7 @@ def test_api_key(server: ServerThread, fresh: ServerThread) -> None:
 
 
 def test_full_queue_answers_429(files: dict[str, Path]) -> None:
-    with start(files, limits=Limits(max_sequences=1, max_queue=2, batch_tokens=8)) as s:
+    with start(files, limits=Limits(max_sequences=1, max_queue=2)) as s:
         engine = s.app.state.engine
         c = client(s)
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
@@ -521,3 +521,38 @@ def test_engine_thread_stops_with_the_server(files: dict[str, Path]) -> None:
     s.stop()
     assert not engine._thread.is_alive()
     assert not any(t.name == "qllama-engine" and t is engine._thread for t in threading.enumerate())
+
+
+def test_chunks_do_not_depend_on_the_traffic(files: dict[str, Path], ref: Any) -> None:
+    """A 20-token prompt in chunks of 8 (0-7, 8-15, 16-19), next to four other requests
+    admitted in the same step: its scores are those of the same three chunks in-process,
+    bit for bit."""
+    ids = [7, 90, 13, 200, 45, 61, 3, 250, 18, 77, 140, 9, 33, 120, 66, 5, 190, 222, 41, 8]
+    rows = [to_numpy(ref.forward(ids[:8], pos=0, all_logits=True))]
+    rows += [to_numpy(ref.forward(ids[a : a + 8], pos=a, all_logits=True)) for a in (8, 16)]
+    lp = log_softmax(np.concatenate(rows))
+    want = lp[np.arange(len(ids) - 1), ids[1:]]
+    # 16 tokens a step: the five prompts cannot all run their chunks at once
+    limits = Limits(prefix_caches=0, prefill_chunk=8, batch_tokens=16)
+    with start(files, limits=limits) as s:
+        engine, c = s.app.state.engine, client(s)
+        with concurrent.futures.ThreadPoolExecutor(5) as pool:
+            with engine.step_lock:
+                others = [
+                    pool.submit(c.completions.create, model="tiny", prompt=[[i] * 11], max_tokens=9)
+                    for i in range(1, 5)
+                ]
+                mine = pool.submit(
+                    c.completions.create,
+                    model="tiny",
+                    prompt=[ids],
+                    max_tokens=1,
+                    logprobs=1,
+                    echo=True,
+                )
+                deadline = time.monotonic() + TIMEOUT
+                while health(s)["queued"] < 5 and time.monotonic() < deadline:
+                    time.sleep(0.02)
+            got = mine.result(TIMEOUT).choices[0].logprobs.token_logprobs[1:-1]
+            assert all(f.result(TIMEOUT).choices[0].finish_reason for f in others)
+    np.testing.assert_array_equal(got, want)

@@ -281,17 +281,22 @@ class Engine:
             self._active.append(s)
 
     def _plan(self) -> list[tuple[_Sequence, list[int], bool]]:
-        """This step's work: a token per generating sequence, then prompt chunks."""
-        budget = self.limits.batch_tokens
+        """This step's work: a token per generating sequence, then prompt chunks.
+
+        A prompt runs in chunks of ``prefill_chunk`` tokens from where it starts, whatever else
+        runs: a chunk that does not fit this step waits for the next (the limits leave room for
+        at least one), so how a prompt is chunked never depends on the traffic.
+        """
+        budget = self.limits.step_tokens
         plan = []
         for s in self._active:
             if s.prefilled:
                 plan.append((s, [s.next_token], False))
                 budget -= 1
         for s in self._active:
-            if s.prefilled or budget <= 0:
+            n = min(self.limits.prefill_chunk, len(s.job.prompt) - s.pos)
+            if s.prefilled or n > budget:
                 continue
-            n = min(self.limits.prefill_chunk, budget, len(s.job.prompt) - s.pos)
             plan.append((s, s.job.prompt[s.pos : s.pos + n], s.job.prompt_logprobs))
             budget -= n
         return plan

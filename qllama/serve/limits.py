@@ -21,7 +21,7 @@ class Limits:
     max_top_logprobs: int = 20  # top entries per position (OpenAI's limit)
     max_body_bytes: int = 8 << 20  # a request body larger than this gets 413
     prefill_chunk: int = 256  # prompt tokens of one sequence per engine step
-    batch_tokens: int = 512  # tokens of all sequences per engine step (decode steps first)
+    batch_tokens: int | None = None  # tokens per step (None: 512, or room for a chunk)
     prefix_caches: int | None = (
         None  # idle caches kept per model for prefix reuse (None: max_sequences)
     )
@@ -30,14 +30,22 @@ class Limits:
         for name in ("max_sequences", "max_queue", "max_tokens", "max_n", "max_prompts"):
             if getattr(self, name) < 1:
                 raise QllamaError(f"{name} must be at least 1, not {getattr(self, name)}")
-        if self.prefill_chunk < 1 or self.batch_tokens < self.max_sequences:
+        if self.prefill_chunk < 1:
+            raise QllamaError(f"prefill_chunk must be at least 1, not {self.prefill_chunk}")
+        least = self.prefill_chunk + self.max_sequences
+        if self.batch_tokens is not None and self.batch_tokens < least:
             raise QllamaError(
-                f"prefill_chunk ({self.prefill_chunk}) must be >= 1 and batch_tokens "
-                f"({self.batch_tokens}) >= max_sequences ({self.max_sequences}): every active "
-                "sequence decodes one token per step"
+                f"batch_tokens ({self.batch_tokens}) must hold a token of every sequence and a "
+                f"whole prompt chunk: at least max_sequences + prefill_chunk = {least}"
             )
         if self.prefix_caches is not None and self.prefix_caches < 0:
             raise QllamaError(f"prefix_caches must be >= 0, not {self.prefix_caches}")
+
+    @property
+    def step_tokens(self) -> int:
+        """Tokens of all sequences in one engine step."""
+        least = self.prefill_chunk + self.max_sequences
+        return self.batch_tokens if self.batch_tokens is not None else max(512, least)
 
     @property
     def idle_caches(self) -> int:
