@@ -13,6 +13,7 @@ says how to run it and what each endpoint takes and returns.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from qllama.serve.runner import ServerThread, bind, serve_forever
 
 
 def open_models(
-    files: dict[str, str | Path], *, allowed_dirs: list[Path] | None = None, **options: Any
+    files: Mapping[str, str | Path], *, allowed_dirs: list[Path] | None = None, **options: Any
 ) -> ModelRegistry:
     """A registry holding ``files`` (name -> path), each loaded with ``options``; files may
     later be loaded on request from ``allowed_dirs`` (default: the folders of ``files``)."""

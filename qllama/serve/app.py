@@ -254,13 +254,17 @@ def create_app(
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [model_card(e) for e in registry.entries()]}
 
-    @app.get("/v1/models/{name}", dependencies=auth)
-    async def model(name: str) -> dict[str, Any]:
+    def with_model(name: str | None, work: Callable[[LoadedModel], Any]) -> Any:
+        """``work`` on the model ``name`` names, held while it runs."""
         entry = registry.acquire(name)
         try:
-            return model_card(entry)
+            return work(entry)
         finally:
             entry.release()
+
+    @app.get("/v1/models/{name}", dependencies=auth)
+    async def model(name: str) -> dict[str, Any]:
+        return dict(with_model(name, model_card))
 
     @app.post("/v1/completions", dependencies=auth)
     async def completions(body: CompletionRequest, request: Request) -> Any:
@@ -269,13 +273,6 @@ def create_app(
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat(body: ChatRequest, request: Request) -> Any:
         return await handle(ctx, body, request)
-
-    def with_model(name: str | None, work: Callable[[LoadedModel], Any]) -> Any:
-        entry = registry.acquire(name)
-        try:
-            return work(entry)
-        finally:
-            entry.release()
 
     @app.post("/tokenize", dependencies=auth)
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:

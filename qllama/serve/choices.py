@@ -10,7 +10,7 @@ client that goes away cancels every job of its request.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,7 +88,7 @@ class Run:
         for c in self.choices:
             self.engine.cancel(c.job)
 
-    async def deltas(self) -> AsyncIterator[Delta]:
+    async def deltas(self) -> AsyncGenerator[Delta, None]:
         """Every delta until each job has ended; jobs still running are cancelled if the
         consumer stops early (a disconnect) or a job fails."""
         open_jobs = len(self.choices)

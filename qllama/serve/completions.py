@@ -189,12 +189,16 @@ async def handle(ctx: Context, body: CompletionRequest | ChatRequest, request: R
     """Either endpoint: check, submit, answer."""
     chat = isinstance(body, ChatRequest)
     _check_sampling(body, ctx.limits)
-    _top_k(body.top_logprobs if chat else body.logprobs, ctx.limits, "logprobs")
+    if isinstance(body, ChatRequest):
+        _top_k(body.top_logprobs, ctx.limits, "top_logprobs")
+        asked = body.token_limit
+    else:
+        _top_k(body.logprobs, ctx.limits, "logprobs")
+        asked = body.max_tokens
     entry = ctx.registry.acquire(body.model)
     try:
         assert entry.model is not None
         prompts = await _prepare(ctx, entry, body, chat)
-        asked = body.token_limit if chat else body.max_tokens
         max_tokens = token_budget(ctx.limits, entry.model.n_ctx, [len(p) for p in prompts], asked)
         run = _jobs(ctx, entry, body, prompts, max_tokens)
         run.submit()  # every job now holds the model; this request's hold can go

@@ -256,13 +256,14 @@ class Engine:
                     self._fail(s, e)
 
     def _admit(self) -> None:
-        """Queued jobs into free slots, each with the idle cache that saves the most work."""
+        """Queued jobs into free slots, each with the idle cache that saves the most work;
+        cancelled jobs leave the queue at once (they would hold its room and their model)."""
+        for job in [j for j in self._pending if j.cancelled]:
+            self._pending.remove(job)
+            self._emit(job, Finished("cancelled"))
+            job.entry.release()
         while self._pending and len(self._active) < self.limits.max_sequences:
             job = self._pending.popleft()
-            if job.cancelled:
-                self._emit(job, Finished("cancelled"))
-                job.entry.release()
-                continue
             pool = self._idle.get(job.entry, [])
             best, reuse, common = None, 0, 0
             for c in sorted(pool, key=lambda c: -c.used):  # ties: the most recently used
