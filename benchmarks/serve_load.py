@@ -128,6 +128,8 @@ class Server:
                 "model", "--host", "127.0.0.1", "--port", str(port), "--n_threads",
                 str(args.threads), "--n_threads_batch", str(args.threads), "--n_ctx",
                 str(args.ctx),
+                # by default a new request interrupts a running stream (it serves one at a time)
+                "--interrupt_requests", "False",
             ]  # fmt: skip
             self.url = f"http://127.0.0.1:{port}"
         self.proc = subprocess.Popen(
@@ -347,7 +349,8 @@ def markdown(results: list[dict[str, Any]], info: dict[str, Any]) -> list[str]:
         "most) and an lm-eval-style score (echo, logprobs 1, max_tokens 1; a shared context and "
         f"one of {len(ANSWERS)} answers). qllama: `qllama serve --max-sequences "
         f"{info['max_sequences']}` (numpy backend, the CPU arithmetic); llama-cpp-python: its "
-        "server (one request at a time). Latencies are per request, complete answers.",
+        "server (one request at a time; `--interrupt_requests False`, else a new request cuts "
+        "the running stream). Latencies are per request, complete answers.",
         "",
         "| server | clients | requests | errors / lost | wall s | req/s | gen tok/s | p50 ms "
         "| p99 ms | stream p50 / p99 ms | score p50 / p99 ms | first token p50 ms | RSS MB |",

@@ -556,3 +556,24 @@ def test_chunks_do_not_depend_on_the_traffic(files: dict[str, Path], ref: Any) -
             got = mine.result(TIMEOUT).choices[0].logprobs.token_logprobs[1:-1]
             assert all(f.result(TIMEOUT).choices[0].finish_reason for f in others)
     np.testing.assert_array_equal(got, want)
+
+
+def test_nan_logits_are_a_json_500_and_the_server_goes_on(tmp_path: Path) -> None:
+    from test_runtime_faults import _with_nan_weight
+
+    clean = tmp_path / "f32.gguf"
+    write_tiny(clean, TinyConfig(n_ctx=64))
+    bad = _with_nan_weight(clean, tmp_path / "nan.gguf", "blk.0.attn_v.weight")
+    registry = open_models({"nan": bad}, backend="numpy", check_weights=False)
+    with ServerThread(create_app(registry)) as s:
+        body = {"prompt": "hi", "max_tokens": 3}
+        r = httpx.post(s.url + "/v1/completions", json=body, timeout=TIMEOUT)
+        assert r.status_code == 500 and r.json()["error"]["code"] == "non_finite_logits"
+        with httpx.stream(
+            "POST", s.url + "/v1/completions", json={**body, "stream": True}, timeout=TIMEOUT
+        ) as r:
+            frames = [x for x in r.iter_lines() if x.startswith("data: ")]
+        assert json.loads(frames[-2][len("data: ") :])["error"]["code"] == "non_finite_logits"
+        assert frames[-1] == "data: [DONE]"
+        h = wait_idle(s)
+        assert (h["status"], h["active"], h["idle_caches"]) == ("ok", 0, 0)  # caches dropped
