@@ -10,7 +10,8 @@ score (lm-eval's request: echo, logprobs 1, max_tokens 1, a shared context and o
 answers). The checks: every answer is a 200 and complete (a stream ends with a finish reason
 and ``[DONE]``, a score has one entry per prompt token plus one), no request is lost, and the
 server's RSS after the last phase is within ``--rss-slack`` MB of its RSS after a warm-up
-(qllama: also nothing active or queued at the end). It prints throughput and p50/p99 latency
+(two requests from each client of the largest phase, so that its caches are all made; qllama:
+also nothing active or queued at the end). It prints throughput and p50/p99 latency
 per phase; the client threads share the machine with the server, so the numbers are rough on
 a busy machine. Exit status 1 if a check fails.
 """
@@ -294,7 +295,8 @@ def measure(kind: str, file: str, args: argparse.Namespace) -> dict[str, Any]:
 
     server = Server(kind, file, args)
     try:
-        warm = run_phase(server, min(4, max(args.clients)), 4, args.max_tokens)
+        # as many clients as the largest phase: the server's caches reach their steady number
+        warm = run_phase(server, max(args.clients), 2, args.max_tokens)
         rss_warm = rss_mb(server.proc.pid)
         phases = []
         for n in args.clients:

@@ -270,6 +270,11 @@ class Engine:
                 r, k = _usable(job, c)
                 if r > reuse:
                     best, reuse, common = c, r, k
+            running = sum(1 for s in self._active if s.job.entry is job.entry)
+            if best is None and pool and running + len(pool) >= self.limits.max_sequences:
+                # as llama.cpp's slots: a model holds at most max_sequences caches in all, so
+                # without a prefix to reuse the least recently used idle one starts afresh
+                best = min(pool, key=lambda c: c.used)
             if best is not None:
                 pool.remove(best)
             else:
