@@ -15,6 +15,14 @@ nox.options.reuse_existing_virtualenvs = True
 TORCH = "torch==2.13.0"
 # The reference's versions: transformers changes what gguf_file= runs between releases.
 REFERENCE = ["transformers==5.24.0", "accelerate==1.15.0", "gguf==0.19.0"]
+# the harness tests/test_serve_lm_eval.py drives qllama serve with (its API model)
+LM_EVAL = "lm-eval[api]==0.4.13"
+# what llama-cpp-python's own server needs beside the wheel (the serving benchmark's peer)
+LLAMA_CPP_SERVER = [
+    "sse-starlette>=1.6.1",
+    "starlette-context>=0.3.6,<0.4",
+    "pydantic-settings>=2.0.1",
+]
 
 
 @nox.session
@@ -25,7 +33,9 @@ def tests(session: nox.Session) -> None:
     sys.path, so the tests exercise what `pip install .` gives.
     """
     session.install(TORCH, *REFERENCE)
-    session.install(".[dev,torch,jax,reference,fast,plot]")  # plot: the trace's figure
+    session.install(
+        ".[dev,torch,jax,reference,fast,plot,serve]", LM_EVAL
+    )  # plot: the trace's figure
     args = session.posargs or ["-m", "not slow"]
     session.run("pytest", *args)
 
@@ -106,10 +116,10 @@ def bench(session: nox.Session) -> None:
     machine: the report records the load average. `-- --quick` or `-- --only TEXT` for less.
     """
     session.install(TORCH, *REFERENCE)
-    session.install(".[torch,jax,fast,reference]")
+    session.install(".[torch,jax,fast,reference,serve]", "openai>=1.40", "psutil")
     note = []
     try:
-        session.install(llama_cpp_wheel(session))
+        session.install(llama_cpp_wheel(session), *LLAMA_CPP_SERVER)
     except nox.command.CommandFailed:
         note = ["--llama-note", f"llama-cpp-python did not build ({LLAMA_CPP_BUILD} wheel)"]
     try:  # llama-perplexity, for the corpus perplexity rows

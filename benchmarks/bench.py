@@ -179,6 +179,28 @@ def probe(python: str, module: str) -> str | None:
     return run.stdout.strip() if run.returncode == 0 else None
 
 
+def run_serving(args: argparse.Namespace, file: str, llama_note: str | None) -> Any:
+    """benchmarks/serve_load.py on the Q8_0 file (qllama serve, and llama-cpp-python's server
+    unless llama.cpp is missing); its results, or None if it could not run."""
+    import tempfile
+
+    servers = "qllama" if llama_note else "qllama,llama-cpp-python"
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "serving.json"
+        cmd = [sys.executable, str(HERE / "serve_load.py"), "--file", file, "--json", str(out)]
+        cmd += ["--servers", servers, "--threads", str(args.threads)]
+        cmd += ["--requests", str(args.serve_requests), "--llama-python", args.llama_python]
+        print("serving load test ...", end=" ", flush=True)
+        t = time.perf_counter()
+        try:
+            subprocess.run(cmd, timeout=4 * 3600, check=False, stdout=subprocess.DEVNULL)
+        except subprocess.TimeoutExpired:
+            print("timed out", flush=True)
+            return None
+        print(f"{time.perf_counter() - t:.0f} s", flush=True)
+        return json.loads(out.read_text()) if out.exists() else None
+
+
 # --- the environment --------------------------------------------------------------------------
 
 
@@ -245,6 +267,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--ppl-windows", type=int, default=16, help="corpus windows of 512 for perplexity"
     )
+    p.add_argument("--serve-requests", type=int, default=50, help="per client, serve_load.py")
+    p.add_argument("--no-serve", action="store_true", help="skip the serving load test")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -318,7 +342,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{out.seconds:.0f} s" + (f"  FAILED: {out.error}" if out.error else ""), flush=True)
         outcomes[c.name] = (c, out)
 
+    serving = None
+    if not args.no_serve and (args.only is None or args.only.lower() in "serving"):
+        serving = run_serving(args, paths["Q8_0"], llama_note)
+
     info = {
+        "serving": serving,
         "date": started.strftime("%Y-%m-%d %H:%M UTC"),
         "machine": machine(),
         "load_before": load_before,

@@ -277,6 +277,11 @@ def write_report(
             + ".",
             "",
         ]
+    if info.get("serving"):
+        from serve_load import markdown
+
+        serving = info["serving"]
+        lines += markdown(serving["results"], serving["info"])
     if info["llama_note"]:
         lines += [f"llama.cpp skipped: {info['llama_note']}.", ""]
     if failed:

@@ -116,6 +116,38 @@ def generate_ids(
         pos += 1
 
 
+class StopText:
+    """The text of generated tokens as it becomes final: cut at the first of the ``stop``
+    strings, and held back while its end may still begin one; a partial UTF-8 character waits
+    for the token that completes it."""
+
+    def __init__(self, tokenizer: Any, stop: Sequence[str] = ()) -> None:
+        self.decoder = tokenizer.decoder()
+        self.stop = tuple(stop)
+        self.hold = max((len(s) for s in self.stop), default=1) - 1  # may begin a stop string
+        self.pending = ""
+        self.stopped = False  # a stop string appeared; feed nothing more
+
+    def feed(self, token: int) -> str:
+        """The text that ``token`` makes final (all that is left, cut, once a stop string
+        appears: then ``stopped`` is set)."""
+        self.pending += self.decoder.feed(token)
+        cut = min((i for s in self.stop if (i := self.pending.find(s)) >= 0), default=-1)
+        if cut >= 0:
+            self.stopped = True
+            final, self.pending = self.pending[:cut], ""
+            return final
+        split = max(0, len(self.pending) - self.hold)
+        final, self.pending = self.pending[:split], self.pending[split:]
+        return final
+
+    def finish(self, *, flush: bool) -> str:
+        """The text held back; with ``flush``, a partial character too (as U+FFFD)."""
+        rest = self.pending + (self.decoder.flush() if flush else "")
+        self.pending = ""
+        return rest
+
+
 def stream(
     model: Llama,
     prompt: str | bytes | Sequence[int],
@@ -145,9 +177,7 @@ def stream(
     out.prompt_ids = prompt_ids
     sampler = Sampler(temperature, top_k, top_p, seed)
     stop_ids = tuple(tok.stop_ids)
-    decoder = tok.decoder()
-    hold = max((len(s) for s in stop), default=1) - 1  # text that may begin a stop string
-    pending = ""
+    final = StopText(tok, stop)
     ids = generate_ids(
         model, prompt_ids, max_new_tokens=max_new_tokens, sampler=sampler, stop_ids=stop_ids
     )
@@ -156,23 +186,19 @@ def stream(
         if token in stop_ids:
             out.finish_reason = "eos"
             break
-        pending += decoder.feed(token)
-        cut = min((i for s in stop if (i := pending.find(s)) >= 0), default=-1)
-        if cut >= 0:
-            pending = pending[:cut]
+        piece = final.feed(token)
+        if final.stopped:
             out.finish_reason = "stop"
+        if piece:
+            out.text += piece
+            yield piece
+        if final.stopped:
             break
-        split = max(0, len(pending) - hold)
-        if split:
-            out.text += pending[:split]
-            yield pending[:split]
-            pending = pending[split:]
-    if not out.finish_reason:
-        pending += decoder.flush()
-        out.finish_reason = "length"
-    if pending:
-        out.text += pending
-        yield pending
+    piece = final.finish(flush=not out.finish_reason)
+    out.finish_reason = out.finish_reason or "length"
+    if piece:
+        out.text += piece
+        yield piece
 
 
 def generate(

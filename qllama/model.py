@@ -88,6 +88,30 @@ class Weights:
     rope_freqs: Any = None  # (n_rot / 2,): each pair's angle is divided by its factor
 
 
+@dataclass(frozen=True)
+class SequenceStep:
+    """One sequence's part of :meth:`Llama.forward_batch`: run ``ids`` at positions ``pos,
+    pos+1, ...`` of ``cache`` (which keeps positions ``< pos``), as ``forward`` runs them on the
+    model's own cache; ``all_logits`` asks for the logits of every new position."""
+
+    cache: KVCache
+    ids: Sequence[int] | Any
+    pos: int = 0
+    all_logits: bool = False
+
+
+@dataclass
+class Segment:
+    """Rows ``start .. start + n - 1`` of a forward pass: one sequence's new tokens, at
+    positions ``pos ..`` of its ``cache``, with the additive mask of each window over it."""
+
+    cache: KVCache
+    pos: int
+    start: int
+    n: int
+    masks: dict[int, Any]  # window -> (n, S), S = the cache's capacity
+
+
 # --- leaf functions -----------------------------------------------------------------------------
 
 
@@ -243,33 +267,10 @@ class Llama:
         ``observer(name, value)``, if given, sees the intermediate values named in
         :mod:`qllama.observe` as they are computed; without one nothing extra is done.
         """
-        xp, c, w = self.xp, self.config, self.weights
-        tokens = self._tokens(ids, pos)
-        T = tokens.shape[0]
-        self.cache.reset(pos)
-        self.cache.reserve(pos + T)
+        tokens = self.backend.asarray(self._check_ids(ids, pos, self.cache))
+        segment, where = self._segment(self.cache, pos, tokens.shape[0], 0)
         self._grow_rope(self.cache.capacity)
-        # positions as arrays, not Python slices: shapes then stay put from token to token
-        where = self.cache.slots[:T] + pos  # (T,) positions of the new tokens
-        angles = {  # each rotation's (cos, sin) at these positions: (T, n_rot/2) each
-            r: (xp.take(cos, where, axis=0), xp.take(sin, where, axis=0))
-            for r, (cos, sin) in self.rope_tables.items()
-        }
-        masks = {k.window: self._mask(where, k.window) for k in self.kinds}  # (T, S) each
-        x = self.backend.embedding(tokens, w.token_embd)  # (T, n_embd)
-        if c.embedding_scale:
-            x = x * c.embedding_scale
-        if observer is not None:
-            observer("embedding", x)
-        for i, layer in enumerate(w.layers):
-            kind = self.kinds[i]
-            rot = None if kind.rope is None else angles[kind.rope]
-            x = self._block(x, layer, i, pos, rot, masks[kind.window], observer)
-            if observer is not None:
-                observer(f"blk.{i}.out", x)
-            if self.trace_nonfinite:
-                self._check_finite(x, f"the output of layer {i}", pos)
-        self.cache.length = pos + T
+        x = self._hidden(tokens, where, [segment], observer)
         if not all_logits:
             x = x[-1:, :]  # only the last position picks the next token
         logits = self._logits(x)
@@ -277,19 +278,122 @@ class Llama:
             self._check_finite(logits, "the logits", pos)
         return logits if all_logits else logits[0, :]
 
+    def new_cache(self) -> KVCache:
+        """An empty KV cache shaped for this model (one per sequence of :meth:`forward_batch`)."""
+        c = self.config
+        return KVCache(
+            c.n_layer,
+            c.n_head_kv,
+            c.head_dim,
+            self.xp,
+            device=self.backend.device,
+            precision=self.cache.precision,
+            head_dim_v=c.head_dim_v,
+        )
+
+    def forward_batch(self, steps: Sequence[SequenceStep]) -> list[Any]:
+        """One forward pass over several sequences, each at its own position in its own cache.
+
+        Every row-wise operation (embedding, norms, the projections, the MLP, the output
+        product) runs once over the new tokens of all sequences stacked as rows; attention runs
+        per sequence over its own cache, as :meth:`forward` runs it. Returns, per step, the
+        logits of its last position (vocab,) or, with ``all_logits``, of every new position
+        (T, vocab). What the batch does to a sequence's numbers: the CPU arithmetic quantizes
+        each activation row by itself and sums integer products exactly, so a quantized weight's
+        product is bit for bit the same whatever the other rows; float products (F32/F16
+        weights, the GPU arithmetic, dequantize-all) may be summed in another order by the
+        library's matmul for another number of rows (tests/test_serve_batch.py).
+        """
+        if not steps:
+            return []
+        if len({id(s.cache) for s in steps}) != len(steps):
+            raise SequenceError("two sequences of one batch share a KV cache")
+        checked = [self._check_ids(s.ids, s.pos, s.cache) for s in steps]  # all before any work
+        flat: list[int] = []
+        segments, wheres = [], []
+        for s, ids in zip(steps, checked, strict=True):
+            segment, where = self._segment(s.cache, s.pos, len(ids), len(flat))
+            segments.append(segment)
+            wheres.append(where)
+            flat += ids
+        self._grow_rope(max(s.cache.capacity for s in steps))
+        xp = self.xp
+        where = wheres[0] if len(wheres) == 1 else xp.concat(wheres, axis=0)  # (N,)
+        x = self._hidden(self.backend.asarray(flat), where, segments)  # (N, n_embd)
+        # the output product only for the rows whose logits are wanted
+        rows = [
+            (g.start, g.start + g.n) if s.all_logits else (g.start + g.n - 1, g.start + g.n)
+            for s, g in zip(steps, segments, strict=True)
+        ]
+        picked = [x[a:b, :] for a, b in rows]
+        logits = self._logits(picked[0] if len(picked) == 1 else xp.concat(picked, axis=0))
+        out, at = [], 0
+        for j, (s, (a, b)) in enumerate(zip(steps, rows, strict=True)):
+            part = logits[at : at + b - a, :]  # (b - a, vocab)
+            if self.trace_nonfinite:
+                first = s.pos + a - segments[j].start  # the position of the part's first row
+                self._check_finite(part, f"the logits (sequence {j})", first)
+            out.append(part if s.all_logits else part[0, :])
+            at += b - a
+        return out
+
+    def _segment(self, cache: KVCache, pos: int, n: int, start: int) -> tuple[Segment, Any]:
+        """Make room in ``cache`` for ``n`` tokens at ``pos``; their rows' positions (n,) and
+        the masks of every window over the cache."""
+        cache.reset(pos)
+        cache.reserve(pos + n)
+        # positions as arrays, not Python slices: shapes then stay put from token to token
+        where = cache.slots[:n] + pos  # (n,) positions of the new tokens
+        masks = {k.window: self._mask(where, k.window, cache) for k in self.kinds}  # (n, S)
+        return Segment(cache, pos, start, n, masks), where
+
+    def _hidden(
+        self, tokens: Any, where: Any, segments: list[Segment], observer: Observer | None = None
+    ) -> Any:
+        """The residual stream after the last block (N, n_embd) for tokens (N,) at positions
+        ``where`` (N,), the rows of ``segments`` in order; ``observer`` as in :meth:`forward`."""
+        xp, c, w = self.xp, self.config, self.weights
+        angles = {  # each rotation's (cos, sin) at these positions: (N, n_rot/2) each
+            r: (xp.take(cos, where, axis=0), xp.take(sin, where, axis=0))
+            for r, (cos, sin) in self.rope_tables.items()
+        }
+        x = self.backend.embedding(tokens, w.token_embd)  # (N, n_embd)
+        if c.embedding_scale:
+            x = x * c.embedding_scale
+        if observer is not None:
+            observer("embedding", x)
+        for i, layer in enumerate(w.layers):
+            kind = self.kinds[i]
+            rot = None if kind.rope is None else angles[kind.rope]
+            x = self._block(x, layer, i, rot, segments, kind.window, observer)
+            if observer is not None:
+                observer(f"blk.{i}.out", x)
+            if self.trace_nonfinite:
+                for b, g in enumerate(segments):
+                    rows = x if len(segments) == 1 else x[g.start : g.start + g.n, :]
+                    what = f"the output of layer {i}"
+                    if len(segments) > 1:
+                        what += f" (sequence {b})"
+                    self._check_finite(rows, what, g.pos)
+        for g in segments:
+            g.cache.length = g.pos + g.n
+        return x
+
     def _block(
         self,
         x: Any,
         layer: LayerWeights,
         i: int,
-        pos: int,
         rot: Any,
-        mask: Any,
+        segments: list[Segment],
+        window: int,
         observer: Observer | None = None,
     ) -> Any:
         """One transformer block: attention, then MLP, each added to the residual stream
         (normed before, after, or both, as the weights have norms)."""
-        h = self._attention(self._norm(x, layer.attn_norm), layer, i, pos, rot, mask, observer)
+        h = self._attention(
+            self._norm(x, layer.attn_norm), layer, i, rot, segments, window, observer
+        )
         if observer is not None:
             observer(f"blk.{i}.attn_out", h)
         x = x + self._residual(self._norm(h, layer.post_attention_norm))
@@ -321,11 +425,11 @@ class Llama:
             logits = softcap(logits, c.final_softcap, xp=self.xp)
         return logits
 
-    def _mask(self, where: Any, window: int) -> Any:
+    def _mask(self, where: Any, window: int, cache: KVCache) -> Any:
         """Additive mask over (new positions, cache slots): -inf where slot j is after
         position i, or (sliding layers) ``window`` or more positions before it."""
         xp = self.xp
-        cols = self.cache.slots[None, :]  # (1, S)
+        cols = cache.slots[None, :]  # (1, S)
         zero = xp.zeros_like(cols, dtype=xp.float32)
         hidden = cols > where[:, None]  # (T, S)
         if window:
@@ -387,13 +491,13 @@ class Llama:
         x: Any,
         layer: LayerWeights,
         i: int,
-        pos: int,
         rot: Any,
-        mask: Any,
+        segments: list[Segment],
+        window: int,
         observer: Observer | None = None,
     ) -> Any:
         xp, c = self.xp, self.config
-        T, hd, hd_v, n_kv, n_rep = x.shape[0], c.head_dim, c.head_dim_v, c.n_head_kv, c.n_rep
+        T, hd, hd_v, n_kv = x.shape[0], c.head_dim, c.head_dim_v, c.n_head_kv
         q, k, v = self._qkv(x, layer)  # (T, n_head*hd), (T, n_kv*hd), (T, n_kv*hd_v)
         if observer is not None:  # before norms and RoPE; Q and K rows in the file's order
             observer(f"blk.{i}.q", q)
@@ -407,21 +511,45 @@ class Llama:
         v = xp.reshape(v, (T, n_kv, hd_v))  # (T, n_kv, hd_v)
         if rot is not None:  # None: a layer without RoPE (smollm3's every fourth)
             q, k = self._rope(q, rot), self._rope(k, rot)
-        k, v = self.cache.update(i, pos, k, v)  # (S, n_kv, hd), S = cache capacity
+        if len(segments) == 1:
+            out = self._attend(q, k, v, i, segments[0], window)
+        else:  # each sequence attends over its own cache: rows start..start+n of the batch
+            out = xp.concat(
+                [
+                    self._attend(
+                        q[g.start : g.start + g.n, ...],
+                        k[g.start : g.start + g.n, ...],
+                        v[g.start : g.start + g.n, ...],
+                        i,
+                        g,
+                        window,
+                    )
+                    for g in segments
+                ],
+                axis=0,
+            )  # (T, n_head*hd_v)
+        return self._linear(out, layer.attn_output, layer.attn_output_bias)
+
+    def _attend(self, q: Any, k: Any, v: Any, i: int, segment: Segment, window: int) -> Any:
+        """One sequence's attention: its queries (T, n_head, hd) over its cache, after writing
+        its keys (T, n_kv, hd) and values (T, n_kv, hd_v) there; (T, n_head*hd_v)."""
+        xp, c = self.xp, self.config
+        T, hd, hd_v, n_kv, n_rep = q.shape[0], c.head_dim, c.head_dim_v, c.n_head_kv, c.n_rep
+        cache = segment.cache
+        k, v = cache.update(i, segment.pos, k, v)  # (S, n_kv, hd), S = cache capacity
         # query head h reads kv head h // n_rep: group the query heads by their kv head
         q = xp.permute_dims(
-            xp.reshape(self.cache.operand(q), (T, n_kv, n_rep, hd)), (1, 2, 0, 3)
+            xp.reshape(cache.operand(q), (T, n_kv, n_rep, hd)), (1, 2, 0, 3)
         )  # (n_kv, n_rep, T, hd)
         kt = xp.permute_dims(k, (1, 2, 0))[:, None, :, :]  # (n_kv, 1, hd, S)
         scores = xp.matmul(q, kt) * c.query_scale  # (n_kv, n_rep, T, S)
         if c.attn_softcap:
             scores = softcap(scores, c.attn_softcap, xp=xp)
-        p = self.cache.operand(softmax(scores + mask, xp=xp))
+        p = cache.operand(softmax(scores + segment.masks[window], xp=xp))
         out = xp.matmul(p, xp.permute_dims(v, (1, 0, 2))[:, None, :, :])  # (n_kv, n_rep, T, hd_v)
-        out = xp.reshape(
+        return xp.reshape(
             xp.permute_dims(out, (2, 0, 1, 3)), (T, c.n_head * hd_v)
         )  # (T, n_head*hd_v)
-        return self._linear(out, layer.attn_output, layer.attn_output_bias)
 
     def _qkv(self, x: Any, layer: LayerWeights) -> tuple[Any, Any, Any]:
         """Queries, keys and values: three products, or one of the fused attn_qkv cut in
@@ -466,8 +594,8 @@ class Llama:
         h = self.activation(gate, xp=self.xp) * up
         return self._linear(h, layer.ffn_down, layer.ffn_down_bias)
 
-    def _tokens(self, ids: Sequence[int] | Any, pos: int) -> Any:
-        """Check ids and positions before any work; ids as an integer array of the backend."""
+    def _check_ids(self, ids: Sequence[int] | Any, pos: int, cache: KVCache) -> list[int]:
+        """Check ids and positions against ``cache`` before any work; the ids as ints."""
         flat = token_list(ids)
         if not flat:
             raise InvalidTokenError("no tokens to run (empty prompt)")
@@ -479,14 +607,12 @@ class Llama:
         if bad:
             j, t = bad[0]
             raise InvalidTokenError(f"token[{j}] = {t} is outside [0, {self.config.n_vocab})")
-        if not 0 <= pos <= self.cache.length:
-            raise SequenceError(
-                f"pos {pos} is past the cached sequence of {self.cache.length} tokens"
-            )
+        if not 0 <= pos <= cache.length:
+            raise SequenceError(f"pos {pos} is past the cached sequence of {cache.length} tokens")
         if pos + len(flat) > self.n_ctx:
             raise ContextOverflowError(
                 f"{pos + len(flat)} tokens do not fit in the context of {self.n_ctx}",
                 n_tokens=pos + len(flat),
                 n_ctx=self.n_ctx,
             )
-        return self.backend.asarray(flat)
+        return flat
