@@ -20,7 +20,7 @@ alone, and their files are rotated in halves.
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -227,8 +227,20 @@ class Llama:
         self.chat_template: Any = None
         self.source: Any = None  # the GGUFFile the weights are views of
 
-    def forward(self, ids: Sequence[int] | Any, pos: int = 0, *, all_logits: bool = False) -> Any:
-        """Logits of the last position (vocab,), or of every position (T, vocab)."""
+    def forward(
+        self,
+        ids: Sequence[int] | Any,
+        pos: int = 0,
+        *,
+        all_logits: bool = False,
+        observer: Callable[[str, Any], object] | None = None,
+    ) -> Any:
+        """Logits of the last position (vocab,), or of every position (T, vocab).
+
+        ``observer(name, value)``, if given, sees the residual stream (T, n_embd) of every new
+        token: ``"embedding"`` as it enters block 0 (after any embedding scale), then
+        ``"blk.{i}.out"`` after block i. Without one nothing extra is done.
+        """
         xp, c, w = self.xp, self.config, self.weights
         tokens = self._tokens(ids, pos)
         T = tokens.shape[0]
@@ -245,10 +257,14 @@ class Llama:
         x = self.backend.embedding(tokens, w.token_embd)  # (T, n_embd)
         if c.embedding_scale:
             x = x * c.embedding_scale
+        if observer is not None:
+            observer("embedding", x)
         for i, layer in enumerate(w.layers):
             kind = self.kinds[i]
             rot = None if kind.rope is None else angles[kind.rope]
             x = self._block(x, layer, i, pos, rot, masks[kind.window])
+            if observer is not None:
+                observer(f"blk.{i}.out", x)
             if self.trace_nonfinite:
                 self._check_finite(x, f"the output of layer {i}", pos)
         self.cache.length = pos + T
