@@ -89,13 +89,18 @@ def evaluate(model: QllamaForCausalLM, tasks: Any, batch_size: int) -> tuple[Any
 
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # the json builder needs no hub
     lm = HFLM(
-        pretrained=model, tokenizer=QllamaTokenizer.from_llm(model), backend="causal", batch_size=batch_size
+        pretrained=model,
+        tokenizer=QllamaTokenizer.from_llm(model),
+        backend="causal",
+        batch_size=batch_size,
     )
     out = lm_eval.simple_evaluate(model=lm, tasks=list(TASKS), task_manager=tasks, log_samples=True)
     return lm, out
 
 
-def scored(m: QllamaForCausalLM, context: list[int], continuation: list[int]) -> tuple[float, bool, float]:
+def scored(
+    m: QllamaForCausalLM, context: list[int], continuation: list[int]
+) -> tuple[float, bool, float]:
     """qllama's log-likelihood of ``continuation`` after ``context`` (float64 log-softmax of
     one pass), whether it is the greedy continuation, and how far lm-eval's float32 sum may be
     from it: a log-softmax of V terms within gamma(V) (1 + max |logit|) each, a sum of n terms
@@ -140,7 +145,9 @@ def test_generate_until_is_qllamas_greedy_text(tiny: Path, tasks: Any) -> None:
     for doc in out["samples"]["qllama_tiny_until"]:
         context, kwargs = doc["arguments"][0]
         ids = lm.tok_encode(context)
-        new = list(generate_ids(m.llm, ids, max_new_tokens=kwargs["max_gen_toks"], sampler=Sampler()))
+        new = list(
+            generate_ids(m.llm, ids, max_new_tokens=kwargs["max_gen_toks"], sampler=Sampler())
+        )
         text = tok.decode(new, skip_special_tokens=True)
         for stop in [*kwargs["until"], tok.decode([lm.eot_token_id])]:
             text = text.split(stop)[0]
@@ -156,7 +163,9 @@ def test_batches_agree_with_single_requests(tiny: Path, tasks: Any) -> None:
     lm, one = evaluate(m, tasks, batch_size=1)
     _, two = evaluate(m, tasks, batch_size=2)
     c = m.llm.config
-    pairs = zip(one["samples"]["qllama_tiny_choice"], two["samples"]["qllama_tiny_choice"], strict=True)
+    pairs = zip(
+        one["samples"]["qllama_tiny_choice"], two["samples"]["qllama_tiny_choice"], strict=True
+    )
     cases = [
         (ra[0][0], rb[0][0], *lm._encode_pair(args[0], args[1]))
         for a, b in pairs

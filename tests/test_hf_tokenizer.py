@@ -62,18 +62,31 @@ def test_llama_cpp_tokenizer_vectors(vocab_folder: Path) -> None:  # noqa: F811
             got = tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
             assert got == want, f"{vocab.name}: {text!r}"
         passed.append(vocab.name.removeprefix("ggml-vocab-").removesuffix(".gguf"))
-    for name in ("llama-spm", "llama-bpe", "qwen2", "phi-3", "gpt-2", "falcon", "starcoder", "refact"):
+    for name in (
+        "llama-spm",
+        "llama-bpe",
+        "qwen2",
+        "phi-3",
+        "gpt-2",
+        "falcon",
+        "starcoder",
+        "refact",
+    ):
         assert name in passed, passed
 
 
 @pytest.mark.model
-@pytest.mark.xfail(strict=True, reason="transformers' GGUF tokenizer splits smollm's digits as GPT-2")
+@pytest.mark.xfail(
+    strict=True, reason="transformers' GGUF tokenizer splits smollm's digits as GPT-2"
+)
 def test_transformers_gguf_tokenizer_gives_llama_cpps_ids(smollm2_path: Path) -> None:
     """SmolLM2's pre-tokenizer ``smollm`` isolates each digit: llama.cpp (and qllama) encode
     "  42" as [256, 36, 34]; transformers' converter falls back to GPT-2's regex, [216, 216,
     36, 34]."""
     pytest.importorskip("gguf")
-    theirs = transformers.AutoTokenizer.from_pretrained(smollm2_path.parent, gguf_file=smollm2_path.name)
+    theirs = transformers.AutoTokenizer.from_pretrained(
+        smollm2_path.parent, gguf_file=smollm2_path.name
+    )
     ours = QllamaTokenizer.from_gguf(smollm2_path)
     text = "  42"
     assert ours(text, add_special_tokens=False)["input_ids"] == [256, 36, 34]

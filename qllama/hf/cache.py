@@ -66,6 +66,13 @@ def _forks(rows: Sequence[Row], order: Sequence[int]) -> list[Row]:
     return out
 
 
+def _not_writable() -> UnsupportedOptionError:
+    return UnsupportedOptionError(
+        "a QllamaCache holds qllama's own keys and values; transformers' attention layers "
+        "cannot write into it"
+    )
+
+
 class RowsLayer(CacheLayerMixin):
     """The cache's one layer: every row of the batch (qllama's caches hold all model layers).
 
@@ -102,13 +109,12 @@ class RowsLayer(CacheLayerMixin):
         return self.get_seq_length() + n, 0
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        raise UnsupportedOptionError(
-            "a QllamaCache holds qllama's own keys and values; transformers' attention layers "
-            "cannot write into it"
-        )
+        raise _not_writable()
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kw: Any):  # type: ignore[override]
-        self.lazy_initialization(key_states, value_states)
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kw: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        raise _not_writable()
 
     def crop(self, n: int) -> None:
         """Remove ``-n`` positions (``n < 0``); ``0`` removes none; ``n > 0`` keeps ``n``

@@ -47,7 +47,9 @@ CACHE_IMPLEMENTATIONS = (None, "dynamic", "offloaded")
 # keywords transformers passes that carry nothing qllama needs
 IGNORED_KWARGS = frozenset({"cache_position", "return_dict"})
 # the output's cache field: "cache" from transformers 5.24, "past_key_values" before
-CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+CACHE_FIELD = (
+    "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+)
 
 
 def _torch(x: Any) -> torch.Tensor:
@@ -111,7 +113,9 @@ class QllamaForCausalLM(PreTrainedModel, GenerationMixin):
         return cls.from_llm(llm, load_options=options if reusable else None)
 
     @classmethod
-    def from_llm(cls, llm: Llama, *, load_options: dict[str, Any] | None = None) -> QllamaForCausalLM:
+    def from_llm(
+        cls, llm: Llama, *, load_options: dict[str, Any] | None = None
+    ) -> QllamaForCausalLM:
         """Wrap a model :func:`qllama.load` returned (its weights and backend are shared)."""
         path = getattr(llm.source, "path", None)
         return cls(QllamaConfig.from_llm(llm, path, load_options), llm)
@@ -132,7 +136,7 @@ class QllamaForCausalLM(PreTrainedModel, GenerationMixin):
 
     # -- refusals: what would silently do the wrong thing ------------------------------------
 
-    def save_pretrained(self, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+    def save_pretrained(self, *args: Any, **kwargs: Any) -> None:
         raise UnsupportedOptionError(
             "QllamaForCausalLM holds no transformers weights to save: the model is its GGUF "
             f"file ({self.config.gguf_path})"
@@ -228,7 +232,9 @@ class QllamaForCausalLM(PreTrainedModel, GenerationMixin):
                 f"logits_to_keep must be an int (a count of last positions), not {logits_to_keep!r}"
             )
         if labels is not None and logits_to_keep:
-            raise UnsupportedOptionError("labels need the logits of every position (logits_to_keep=0)")
+            raise UnsupportedOptionError(
+                "labels need the logits of every position (logits_to_keep=0)"
+            )
         ids = torch.as_tensor(input_ids)
         if ids.ndim != 2:
             raise UnsupportedOptionError(
@@ -238,11 +244,15 @@ class QllamaForCausalLM(PreTrainedModel, GenerationMixin):
         with self._lock:
             qcache = self._cache_for(cache if cache is not None else past_key_values, ids.shape[0])
             mask = self._masks(attention_mask, position_ids, qcache, ids.shape)
-            logits, hidden = self._run(qcache, ids.tolist(), mask, logits_to_keep, output_hidden_states)
+            logits, hidden = self._run(
+                qcache, ids.tolist(), mask, logits_to_keep, output_hidden_states
+            )
         loss = None
         if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size)
-        fields = {"loss": loss, "logits": logits, "hidden_states": hidden}
+            loss = self.loss_function(
+                logits=logits, labels=labels, vocab_size=self.config.vocab_size
+            )
+        fields: dict[str, Any] = {"loss": loss, "logits": logits, "hidden_states": hidden}
         fields[CACHE_FIELD] = qcache if use_cache else None
         out = CausalLMOutputWithPast(**fields)
         use_dict = self.config.return_dict if return_dict is None else return_dict
@@ -354,7 +364,9 @@ class QllamaForCausalLM(PreTrainedModel, GenerationMixin):
         logits = torch.zeros(batch, kept, self.config.vocab_size, device=self.anchor.device)
         wanted = self._hidden_wanted(output_hidden_states)
         device = self.anchor.device
-        hidden = {j: torch.zeros(batch, new, self.config.hidden_size, device=device) for j in wanted or ()}
+        hidden = {
+            j: torch.zeros(batch, new, self.config.hidden_size, device=device) for j in wanted or ()
+        }
         own = llm.cache
         try:
             for b, (row, row_ids, new_mask) in enumerate(zip(qcache.rows, ids, masks, strict=True)):

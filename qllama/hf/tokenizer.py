@@ -31,7 +31,6 @@ from qllama.chat_template import ChatTemplate
 from qllama.errors import ChatTemplateError, UnsupportedOptionError
 from qllama.tokenizer import Tokenizer
 
-
 # transformers' standard clean-up of spaces before punctuation and contractions, applied
 # only when asked (clean_up_tokenization_spaces=True); llama.cpp has no such step
 CLEAN_UP = (
@@ -67,8 +66,8 @@ class QllamaTokenizer(PreTrainedTokenizer):
     :meth:`from_gguf` (a path).
     """
 
-    vocab_files_names: dict[str, str] = {}
-    model_input_names = ["input_ids", "attention_mask"]
+    vocab_files_names = {}  # noqa: RUF012  (transformers' attribute; nothing to load)
+    model_input_names = ["input_ids", "attention_mask"]  # noqa: RUF012
 
     def __init__(
         self,
@@ -166,7 +165,7 @@ class QllamaTokenizer(PreTrainedTokenizer):
 
     # -- decoding -------------------------------------------------------------------------------
 
-    def _decode(  # type: ignore[override]
+    def _decode(
         self,
         token_ids: int | list[int],
         skip_special_tokens: bool = False,
@@ -206,23 +205,33 @@ class QllamaTokenizer(PreTrainedTokenizer):
         (:class:`qllama.chat_template.ChatTemplate`, with its step, size and time budget) and
         encoded by qllama. ``**kwargs`` are template variables."""
         if return_assistant_tokens_mask or sanitize_control_tokens:
-            name = "return_assistant_tokens_mask" if return_assistant_tokens_mask else "sanitize_control_tokens"
+            name = (
+                "return_assistant_tokens_mask"
+                if return_assistant_tokens_mask
+                else "sanitize_control_tokens"
+            )
             raise UnsupportedOptionError(f"apply_chat_template({name}=True) is not supported")
         if continue_final_message and add_generation_prompt:
-            raise ChatTemplateError("continue_final_message and add_generation_prompt exclude each other")
+            raise ChatTemplateError(
+                "continue_final_message and add_generation_prompt exclude each other"
+            )
         source = chat_template or self.chat_template
         if not isinstance(source, str):
             raise ChatTemplateError("the tokenizer has no chat template (tokenizer.chat_template)")
         template = ChatTemplate(source, self.qllama)
-        batched = isinstance(conversation, list | tuple) and bool(conversation) and (
-            isinstance(conversation[0], list | tuple) or hasattr(conversation[0], "messages")
+        batched = (
+            isinstance(conversation, list | tuple)
+            and bool(conversation)
+            and (isinstance(conversation[0], list | tuple) or hasattr(conversation[0], "messages"))
         )
         variables = {**self.special_tokens_map, **kwargs}
         variables.update(tools=_tool_schemas(tools), documents=documents)
         texts = []
         for chat in conversation if batched else [conversation]:
             messages = _messages(chat)
-            text = template.render(messages, add_generation_prompt=add_generation_prompt, **variables)
+            text = template.render(
+                messages, add_generation_prompt=add_generation_prompt, **variables
+            )
             texts.append(self._continue(text, messages) if continue_final_message else text)
         if not tokenize:
             return texts if batched else texts[0]
@@ -244,20 +253,26 @@ class QllamaTokenizer(PreTrainedTokenizer):
         writing it (the template's end-of-turn markup after it is dropped)."""
         final = messages[-1].get("content") if messages else None
         if not isinstance(final, str):
-            raise ChatTemplateError("continue_final_message needs a final message with text content")
+            raise ChatTemplateError(
+                "continue_final_message needs a final message with text content"
+            )
         end = text.rfind(final.strip())
         if not final.strip() or end < 0:
-            raise ChatTemplateError("continue_final_message: the final message is not in the rendered chat")
+            raise ChatTemplateError(
+                "continue_final_message: the final message is not in the rendered chat"
+            )
         return text[: end + len(final.strip())]
 
     # -- refusals -------------------------------------------------------------------------------
 
-    def save_pretrained(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+    def save_pretrained(self, *args: Any, **kwargs: Any) -> Any:
         raise UnsupportedOptionError(
             "QllamaTokenizer is the GGUF file's tokenizer; there are no transformers files to "
             "save (QllamaTokenizer.from_gguf(path) builds it again)"
         )
 
-    def save_vocabulary(self, save_directory: str, filename_prefix: str | None = None) -> tuple[str, ...]:
+    def save_vocabulary(
+        self, save_directory: str, filename_prefix: str | None = None
+    ) -> tuple[str, ...]:
         self.save_pretrained()
         return ()
