@@ -167,10 +167,12 @@ class QllamaForCausalLM(PreTrainedModel, GenerationMixin):
     def generate_batch(self, *args: Any, **kwargs: Any) -> Any:
         self.init_continuous_batching()
 
-    def generate(self, *args: Any, **kwargs: Any) -> Any:
+    def generate(
+        self, inputs: Any = None, generation_config: Any = None, *args: Any, **kwargs: Any
+    ) -> Any:
         """transformers' ``generate`` (every decoding strategy it has), after refusing the
         options that would build tensors qllama cannot use."""
-        config = kwargs.get("generation_config") or self.generation_config
+        config = generation_config or self.generation_config
         implementation = kwargs.get("cache_implementation", config.cache_implementation)
         if implementation not in CACHE_IMPLEMENTATIONS:
             raise UnsupportedOptionError(
@@ -179,7 +181,7 @@ class QllamaForCausalLM(PreTrainedModel, GenerationMixin):
             )
         if kwargs.get("inputs_embeds") is not None:
             self._refuse_embeds()
-        return super().generate(*args, **kwargs)
+        return super().generate(inputs, generation_config, *args, **kwargs)
 
     @staticmethod
     def _refuse_embeds() -> None:
