@@ -1,4 +1,4 @@
-"""Sessions: tests, lint, reference, experiments, peers, bench, fuzz.
+"""Sessions: tests, lint, reference, experiments, peers, bench, fuzz, hf.
 
 ``nox -s tests`` and ``nox -s experiments`` are what CI runs; ``nox -l`` lists everything.
 """
@@ -33,11 +33,26 @@ def tests(session: nox.Session) -> None:
     sys.path, so the tests exercise what `pip install .` gives.
     """
     session.install(TORCH, *REFERENCE)
-    session.install(
-        ".[dev,torch,jax,reference,fast,plot,serve]", LM_EVAL
-    )  # plot: the trace's figure
+    # plot: the trace's figure; serve, hf, hf-eval and lm-eval: the server and adapter tests
+    session.install(".[dev,torch,jax,reference,fast,plot,serve,hf,hf-eval]", LM_EVAL)
     args = session.posargs or ["-m", "not slow"]
     session.run("pytest", *args)
+
+
+# qllama.hf is tested at both ends of the transformers range it supports
+# (qllama.hf.TRANSFORMERS_RANGE, the hf extra): the cache API it implements moves between
+# 5.x releases. `nox -s tests` runs its tests at the newest, with the rest of the suite.
+HF_TRANSFORMERS = ["5.0.0", "5.24.0"]
+HF_TESTS = ["tests/test_hf.py", "tests/test_hf_tokenizer.py", "tests/test_hf_lm_eval.py"]
+
+
+@nox.session
+@nox.parametrize("transformers", HF_TRANSFORMERS)
+def hf(session: nox.Session, transformers: str) -> None:
+    """The transformers integration's tests at one end of its supported range."""
+    session.install(TORCH, f"transformers=={transformers}", ".[dev,hf,hf-eval,reference]")
+    args = session.posargs or ["-m", "not slow"]
+    session.run("pytest", *HF_TESTS, *args)
 
 
 @nox.session

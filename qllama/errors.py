@@ -122,3 +122,8 @@ class BackendError(QllamaError):
 
 class FetchError(QllamaError):
     """A model file could not be downloaded or failed its checksum."""
+
+
+class UnsupportedOptionError(QllamaError):
+    """An option of an integration that qllama cannot honour faithfully (transformers' static
+    cache, ``inputs_embeds``, a 4-D attention mask...): refused rather than ignored."""
