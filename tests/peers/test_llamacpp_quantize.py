@@ -10,37 +10,17 @@ without an imatrix, Q1_0's 128-blocks on 576-wide rows), qllama must refuse it t
 
 from __future__ import annotations
 
-import ctypes
-
-import numpy as np
 import pytest
+from quantize_pair import llama_quantize, llama_quantize_tool, ours_or_refusal, random_imatrix
 
-from qllama.errors import ImatrixError, ModelConfigError, UnsupportedTensorTypeError
-from qllama.file_quantizer import FILE_TYPES, quantize_file
+from qllama.file_quantizer import FILE_TYPES
 from qllama.gguf_reader import read_gguf
-from qllama.imatrix import Entry, ImportanceMatrix, write_imatrix
 from qllama.model_files import variant
 
 llama_cpp = pytest.importorskip("llama_cpp")
 pytestmark = [pytest.mark.peers, pytest.mark.model]
 
 LABELS = [label for label in FILE_TYPES if label != "F32"]
-
-
-def llama_quantize(src, dst, ftype: int) -> bool:
-    """llama_model_quantize through llama-cpp-python; False where llama.cpp refuses."""
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = ftype
-    params.nthread = 2
-    src_b, dst_b = str(src).encode(), str(dst).encode()
-    return llama_cpp.llama_model_quantize(src_b, dst_b, ctypes.byref(params)) == 0
-
-
-def llama_quantize_tool(llama_tool, src, dst, label: str, imatrix) -> bool:
-    run = llama_tool(
-        "llama-quantize", "--imatrix", str(imatrix), str(src), str(dst), label, "2", timeout=3600
-    )
-    return run.returncode == 0
 
 
 @pytest.fixture(scope="module")
@@ -50,34 +30,8 @@ def f32_file():
 
 @pytest.fixture(scope="module")
 def imatrix_files(f32_file, tmp_path_factory):
-    """An importance matrix for every blk.* weight of SmolLM2, in both formats: random (the
-    quantizers only read its values), written by qllama, read by both sides."""
-    rng = np.random.default_rng(11)
-    entries = {
-        t.name: Entry(
-            (np.exp(rng.normal(0, 1.5, size=(1, t.ne[0]))) * 1536).astype(np.float32),
-            np.array([1536]),
-        )
-        for t in read_gguf(f32_file)
-        if t.name.startswith("blk.") and len(t.ne) == 2
-    }
-    folder = tmp_path_factory.mktemp("imatrix")
-    m = ImportanceMatrix(entries, ["corpus.txt"], 3, 512)
-    write_imatrix(folder / "smollm2.imatrix.gguf", m)
-    write_imatrix(folder / "smollm2.imatrix.dat", m)
-    return folder / "smollm2.imatrix.gguf", folder / "smollm2.imatrix.dat"
-
-
-def ours_or_refusal(src, dst, label: str, imatrix=None) -> bool:
-    """qllama's quantizer: True if it wrote the file, False if it refused as llama.cpp does;
-    skips where a type it needs has no class in this tree (the grid types)."""
-    try:
-        quantize_file(src, dst, label, imatrix=imatrix)
-    except (ImatrixError, ModelConfigError):
-        return False
-    except UnsupportedTensorTypeError as e:
-        pytest.skip(f"{label} needs a type qllama does not implement here: {e}")
-    return True
+    """A random importance matrix for SmolLM2's weights, in both formats."""
+    return random_imatrix(f32_file, tmp_path_factory.mktemp("imatrix"))
 
 
 def assert_same_file(ours, theirs, label: str) -> None:
