@@ -29,6 +29,7 @@ from qllama.errors import (
     QllamaError,
     TensorShapeError,
 )
+from qllama.ggml_types import GGMLType
 from qllama.gguf_reader import GGUFFile, read_gguf
 
 ARRAY, STRING, UINT8, BOOL, INT32 = 9, 8, 0, 7, 5
@@ -317,7 +318,8 @@ def test_C21_byte_size_overflow_and_past_the_file():
         parse(one_tensor([2**40], data=b"\0" * 64))
 
 
-@pytest.mark.parametrize("code", [40, 999, -1, 4])
+# past the last type ggml defines, far past it, negative, and a code ggml retired
+@pytest.mark.parametrize("code", [max(GGMLType) + 1, 999, -1, 4])
 def test_C22_unknown_tensor_type(code):
     with pytest.raises(GGUFTypeError, match=f"tensor 't' at offset .* unknown GGML type {code}"):
         parse(one_tensor([32], ggml_type=code))
