@@ -38,7 +38,6 @@ from qllama.array_api import to_numpy
 from qllama.errors import QllamaError, UnsupportedOptionError
 from qllama.hf.cache import QllamaCache, Row
 from qllama.hf.config import QllamaConfig
-from qllama.kv_cache import KVCache
 from qllama.model import Llama, rms_norm
 
 # generate's cache choices that end in an empty DynamicCache, which the first forward call
@@ -276,21 +275,7 @@ class QllamaForCausalLM(PreTrainedModel, GenerationMixin):
                 f"a {type(given).__name__} holding keys and values cannot continue a qllama model "
                 "(its tensors are not qllama's); pass the QllamaCache this model returned"
             )
-        c, llm = self.llm.config, self.llm
-        rows = [
-            Row(
-                KVCache(
-                    c.n_layer,
-                    c.n_head_kv,
-                    c.head_dim,
-                    llm.xp,
-                    device=llm.backend.device,
-                    precision=llm.cache.precision,
-                    head_dim_v=c.head_dim_v,
-                )
-            )
-            for _ in range(batch)
-        ]
+        rows = [Row(self.llm.new_cache()) for _ in range(batch)]
         return QllamaCache(self, rows)
 
     def _masks(
