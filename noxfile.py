@@ -1,4 +1,4 @@
-"""Sessions: tests, lint, reference, experiments, peers, bench, fuzz.
+"""Sessions: tests, lint, reference, experiments, study-peers, peers, bench, fuzz.
 
 ``nox -s tests`` and ``nox -s experiments`` are what CI runs; ``nox -l`` lists everything.
 """
@@ -25,25 +25,33 @@ def tests(session: nox.Session) -> None:
     sys.path, so the tests exercise what `pip install .` gives.
     """
     session.install(TORCH, *REFERENCE)
-    session.install(".[dev,torch,jax,reference,fast]")
+    session.install(".[dev,torch,jax,reference,fast,dask]")
     args = session.posargs or ["-m", "not slow"]
     session.run("pytest", *args)
 
 
+SEED = "experiments/seed.toml"  # the seed study (docs/experiments.md)
+
+
 @nox.session
 def reference(session: nox.Session) -> None:
-    """The transformers f32 reference of the study, cached in results/ with its provenance."""
+    """The seed study's transformers f32 references (each prompt, and the recomputation of
+    the reference-avx2 draw), cached in results/references/ with their provenance."""
     session.install(TORCH, *REFERENCE)
     session.install("-e", ".[reference]")
-    session.run("python", "-m", "experiments.reference", *session.posargs)
+    session.run("qllama", "study", "run", SEED, "--references-only", *session.posargs)
 
 
 @nox.session(requires=["reference"])
 def experiments(session: nox.Session) -> None:
-    """The study: every cell of the matrix, docs/results.md, and the findings' assertions."""
+    """The seed study: every cell in local processes, docs/results.md, the findings asserted.
+
+    `-- --cells 'cpu-cache/*'` runs some cells, `-- --report-only` rebuilds the report,
+    `-- --executor dask --scheduler ADDRESS` runs on a cluster (docs/studies.md).
+    """
     session.install(TORCH)
     session.install("-e", ".[torch,jax,fast,plot]")
-    session.run("python", "-m", "experiments.run", *session.posargs)
+    session.run("qllama", "study", "run", SEED, "--docs", "docs", *session.posargs)
 
 
 # llama.cpp for the peer sessions: built from the llama-cpp-python sdist for the CPU it runs on
@@ -72,6 +80,17 @@ def peers(session: nox.Session) -> None:
     session.install(llama_cpp_wheel(session))
     bin_dir = llama_cpp_tools(session)
     session.run("pytest", "tests/peers", f"--llama-bin={bin_dir}", *session.posargs)
+
+
+@nox.session(name="study-peers", requires=["reference"])
+def study_peers(session: nox.Session) -> None:
+    """The seed study with llama.cpp's own CPU run as one more draw (builds llama-cpp-python)."""
+    session.install(TORCH)
+    session.install("-e", ".[torch,jax,fast,plot]")
+    session.install(llama_cpp_wheel(session))
+    session.run(
+        "qllama", "study", "run", SEED, "--draw", "llama.cpp", "--docs", "docs", *session.posargs
+    )
 
 
 @nox.session
