@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from qllama.compare import fork
 from qllama.study import Check, View
 
 QUANTIZED = ("Q8_0", "Q4_K_M")
@@ -50,3 +51,212 @@ def f32_control(view: View) -> Iterator[Check]:
             ("max|Δ| over all steps", c["teacher_forcing"]["max_max_abs"]),
         ):
             yield Check(f"F32-{s}", metric, v, f"< {F32_BOUND:g}", v < F32_BOUND)
+
+
+# --- 2. Q4_K_M error is several times Q8_0's ---------------------------------------------------
+# On the median per-step max|Δ|, a statistic (the last position is one draw of the roundings).
+# RATIO_NOTE
+RATIO = (2.0, 8.0)
+
+
+def q4_vs_q8(view: View) -> Iterator[Check]:
+    for s in view.settings:
+        if view.cell("Q8_0", s) is None or view.cell("Q4_K_M", s) is None:
+            continue
+        r = _median(view, "Q4_K_M", s) / _median(view, "Q8_0", s)
+        yield Check(
+            f"Q4_K_M-{s} / Q8_0-{s}",
+            "median per-step max|Δ| ratio",
+            r,
+            f"in [{RATIO[0]:g}, {RATIO[1]:g}]",
+            RATIO[0] <= r <= RATIO[1],
+        )
+
+
+# --- 3. where the CPU arithmetic's error shows -------------------------------------------------
+# Q8_0: activation quantization adds error on top of the weight error.
+# CPU_EXTRA_NOTE
+CPU_EXTRA = 1.2
+
+
+def cpu_adds_error(view: View) -> Iterator[Check]:
+    r = _median(view, "Q8_0", "cpu") / _median(view, "Q8_0", "gpu")
+    yield Check(
+        "Q8_0-cpu / Q8_0-gpu", "median per-step max|Δ| ratio", r, f">= {CPU_EXTRA}", r >= CPU_EXTRA
+    )
+
+
+# GPU and dequantize-all compute the same products (weights dequantized either way) and differ
+# by float32 summation order only: SAME_NOTE
+SAME = 1e-3
+
+
+def gpu_is_dequantize_all(view: View) -> Iterator[Check]:
+    for v in QUANTIZED:
+        gpu, da = _median(view, v, "gpu"), _median(view, v, "dequantize-all")
+        rel = abs(da - gpu) / gpu
+        yield Check(
+            f"{v}-dequantize-all / {v}-gpu",
+            "relative difference of median per-step max|Δ|",
+            rel,
+            f"<= {SAME:g}",
+            rel <= SAME,
+        )
+
+
+# Q4_K_M: the weight error swamps the activation error. The original claim, "all three within
+# a few percent" at the last position, held on the original prompt (3.6%) only: the last
+# position is one draw of the CPU's roundings (FEW_NOTE). It is reported, not asserted; the
+# asserted form compares the CPU arithmetic's excess for the two files, on the median.
+FEW_PERCENT = 0.10
+
+
+def q4_within_few_percent(view: View) -> Iterator[Check]:
+    b = view.cell("Q4_K_M", "gpu")
+    assert b is not None
+    for s in ("cpu", "dequantize-all"):
+        a = view.cell("Q4_K_M", s)
+        assert a is not None
+        x, y = a["last_position"]["max_abs"], b["last_position"]["max_abs"]
+        r = abs(x - y) / y
+        yield Check(
+            f"Q4_K_M-{s} / Q4_K_M-gpu",
+            "relative difference of last-position max|Δ|",
+            r,
+            f"<= {FEW_PERCENT:g}",
+            r <= FEW_PERCENT,
+        )
+
+
+# SWAMP_NOTE
+def q4_swamps_activations(view: View) -> Iterator[Check]:
+    q8 = _median(view, "Q8_0", "cpu") / _median(view, "Q8_0", "gpu")
+    q4 = _median(view, "Q4_K_M", "cpu") / _median(view, "Q4_K_M", "gpu")
+    yield Check(
+        "Q4_K_M vs Q8_0 (cpu / gpu)",
+        "CPU excess of the median: Q4_K_M vs Q8_0",
+        q4 - 1,
+        "< Q8_0's",
+        q4 - 1 < q8 - 1,
+        shown=f"{q4 - 1:+.3f} vs {q8 - 1:+.3f}",
+    )
+
+
+# --- 4. which steps flip under teacher forcing --------------------------------------------------
+# Q8_0 flips only where the reference is nearly tied. NEAR_TIE_NOTE
+NEAR_TIE = 0.35
+
+
+def q8_flips_near_ties(view: View) -> Iterator[Check]:
+    for s in view.settings:
+        m = _margins(view, "Q8_0", s)
+        if m is None:
+            continue
+        top = max(m, default=0.0)
+        yield Check(
+            f"Q8_0-{s}",
+            "largest reference margin of a flip",
+            top if m else "no flips",
+            f"<= {NEAR_TIE}",
+            (top <= NEAR_TIE) if m else None,
+        )
+
+
+def q4_flips_more(view: View) -> Iterator[Check]:
+    """Q4_K_M flips more steps than Q8_0, including larger margins (nothing to test when
+    neither flips)."""
+    for s in view.settings:
+        m8, m4 = _margins(view, "Q8_0", s), _margins(view, "Q4_K_M", s)
+        if m8 is None or m4 is None:
+            continue
+        yield Check(
+            f"Q4_K_M-{s} vs Q8_0-{s}",
+            "flipped steps",
+            f"{len(m4)} vs {len(m8)}",
+            "Q4_K_M >= Q8_0",
+            (len(m4) >= len(m8)) if (m4 or m8) else None,
+        )
+        top4, top8 = max(m4, default=0.0), max(m8, default=0.0)
+        yield Check(
+            f"Q4_K_M-{s} vs Q8_0-{s}",
+            "largest reference margin of a flip",
+            f"{top4:.4g} vs {top8:.4g}" if (m4 or m8) else "no flips",
+            "Q4_K_M > Q8_0",
+            (top4 > top8) if (m4 or m8) else None,
+        )
+
+
+def gpu_flips_as_dequantize_all(view: View) -> Iterator[Check]:
+    for v in QUANTIZED:
+        g = [f["step"] for f in view.cell(v, "gpu")["teacher_forcing"]["flips"]]  # type: ignore[index]
+        d = [f["step"] for f in view.cell(v, "dequantize-all")["teacher_forcing"]["flips"]]  # type: ignore[index]
+        yield Check(
+            f"{v}-gpu / {v}-dequantize-all",
+            "flipped steps",
+            f"{g} / {d}",
+            "equal",
+            (g == d) if (g or d) else None,
+        )
+
+
+# --- 5. free generation forks where teacher forcing first flips ----------------------------------
+# Exact: same prefix, same prefill-then-decode path, same logits. No tolerance. Never flipping
+# and never forking agree, but there is nothing to test.
+
+
+def fork_at_first_flip(view: View) -> Iterator[Check]:
+    for v in view.variants:
+        for s in view.settings:
+            c = view.cell(v, s)
+            if c is None:
+                continue
+            f, t = c["free_generation"]["fork"], c["teacher_forcing"]["first_flip"]
+            yield Check(
+                f"{v}-{s}",
+                "fork / first flip",
+                f"{_fmt(f)} / {_fmt(t)}",
+                "equal",
+                (f == t) if (f is not None or t is not None) else None,
+            )
+
+
+def _fmt(x: int | None) -> str:
+    return "never" if x is None else str(x)
+
+
+# --- 6. tokens across settings --------------------------------------------------------------------
+# GPU and dequantize-all compute the same products, so their greedy choices part only where
+# float32 order breaks a near-tie. Exact token identity.
+
+
+def gpu_tokens_as_dequantize_all(view: View) -> Iterator[Check]:
+    for v in QUANTIZED:
+        a = view.cell(v, "gpu")["free_generation"]["tokens"]  # type: ignore[index]
+        b = view.cell(v, "dequantize-all")["free_generation"]["tokens"]  # type: ignore[index]
+        at = fork(a, b)
+        yield Check(
+            f"{v}-gpu / {v}-dequantize-all",
+            "first differing token",
+            at,
+            "never",
+            at is None and len(a) == len(b),
+        )
+
+
+# The CPU arithmetic differs from them in its tokens: its free generation leaves theirs, unless
+# it never flips. TOKENS_NOTE
+
+
+def cpu_tokens_differ(view: View) -> Iterator[Check]:
+    for v in QUANTIZED:
+        cpu, gpu = view.cell(v, "cpu"), view.cell(v, "gpu")
+        assert cpu is not None and gpu is not None
+        at = fork(cpu["free_generation"]["tokens"], gpu["free_generation"]["tokens"])
+        flips = bool(cpu["teacher_forcing"]["flips"])
+        yield Check(
+            f"{v}-cpu / {v}-gpu",
+            "first differing token",
+            at,
+            "a fork",
+            (at is not None) if flips else None,
+        )

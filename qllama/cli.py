@@ -272,6 +272,10 @@ def cmd_study(args: argparse.Namespace) -> int:
     from qllama.study.declaration import with_draws
 
     study = with_draws(load_study(args.study), args.draw or [])
+    if args.threads is not None:
+        from dataclasses import replace
+
+        study = replace(study, threads=args.threads)
     if args.action == "cells":
         for cell in select(product(study), args.cells or []):
             print(cell.id)
@@ -361,6 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--results", default="results", help="the cache of references and cells")
     s.add_argument("--docs", help="where results.md, results.json and plots/ go")
     s.add_argument("--draw", action="append", metavar="NAME", help="switch on an optional draw")
+    s.add_argument("--threads", type=int, help="every cell's threads (default: the study's)")
     s.add_argument("--force", action="store_true", help="rerun cells even if cached")
     s.add_argument("--report-only", action="store_true", help="rebuild the report from the cache")
     s.add_argument("--references-only", action="store_true", help="only compute the references")

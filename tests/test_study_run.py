@@ -213,3 +213,18 @@ def test_a_check_holds_only_if_it_holds_in_every_draw():
     assert none.ok is None  # nothing to test in any draw: not a pass
     (some,) = combine({"": c(0.0, None), "a": c(0.2, True)})
     assert some.ok is True
+
+
+def test_the_cli_lists_cells_runs_and_refuses_bad_studies(local_run, tmp_path, capsys):
+    from qllama.cli import main
+
+    folder, _, _ = local_run
+    toml = str(folder / "tiny.toml")
+    assert main(["study", "cells", toml, "--cells", "chat/*~*"]) == 0
+    assert capsys.readouterr().out.split() == ["chat/Q8_0-cpu~haswell"]
+    args = ["study", "run", toml, "--results", str(folder / "results"), "--report-only"]
+    assert main([*args, "--docs", str(tmp_path / "docs")]) == 0
+    assert (tmp_path / "docs" / "results.md").exists()
+    (tmp_path / "bad.toml").write_text('name = "x"\nmodel = "m.gguf"\ncolour = 1\n')
+    assert main(["study", "run", str(tmp_path / "bad.toml")]) == 1
+    assert "qllama study: error: unknown top-level key 'colour'" in capsys.readouterr().err

@@ -64,6 +64,7 @@ class CellCache:
     def save(self, result: CellResult) -> None:
         js, npz = self._paths(result.key)
         with atomic_write(npz) as f:
-            np.savez(f, **result.arrays)
+            savez: Any = np.savez  # its stubs type the keyword arrays as its own flags
+            savez(f, **result.arrays)
         with atomic_write(js, "w") as f:
             json.dump(result.numbers, f, indent=1)

@@ -203,9 +203,9 @@ def combine(per_draw: Mapping[str, list[Check]]) -> list[Combined]:
             elif c.ok and comb.ok is None:
                 comb.ok = True
     for k, comb in out.items():
-        nums = [_number(v) for v in values[k]]
-        if len(nums) > 1 and all(n is not None for n in nums):
-            comb.band = (min(nums), max(nums))  # type: ignore[type-var]
+        nums = [n for n in (_number(v) for v in values[k]) if n is not None]
+        if len(nums) > 1 and len(nums) == len(values[k]):
+            comb.band = (min(nums), max(nums))
     return list(out.values())
 
 

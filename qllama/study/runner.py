@@ -257,7 +257,7 @@ def run_cells(plan: Plan, execute: Any, *, force: bool = False, slots: int = 1) 
             f"cell-{t.key}",
             t.cell.id,
             t.memory_mb,
-            (f"ref-{t.reference_key}", _reader(t.reference_path)),
+            (f"reference-data-{t.reference_key}", _reader(t.reference_path)),
         )
         for t in todo
     ]

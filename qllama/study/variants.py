@@ -55,25 +55,14 @@ def file_sha256(path: str | os.PathLike[str]) -> str:
 def _from_path(source: Path, label: str, cache: str | os.PathLike[str] | None) -> Path:
     """``source`` as file type ``label``: F32 dequantized from it, the rest from that F32."""
     from qllama import __version__
-    from qllama.file_quantizer import quantize_file
+    from qllama.model_files import quantized_once
 
-    if label == "F32":
-        origin = source
-    else:
-        origin = _from_path(source, "F32", cache)
+    origin = source if label == "F32" else _from_path(source, "F32", cache)
     folder = defaults.cache_dir(cache) / "study-variants" / file_sha256(source)[:16]
     path = folder / f"{source.stem}.{label}.gguf"
-    marker = path.with_name(path.name + ".built")
-    stamp = {"source_sha256": file_sha256(origin), "qllama": __version__}
-    try:
-        if path.exists() and json.loads(marker.read_text()) == {**stamp, "stamp": _stamp(path)}:
-            return path
-    except (OSError, ValueError):
-        pass
-    quantize_file(origin, path, label)
-    with atomic_write(marker, "w") as f:
-        json.dump({**stamp, "stamp": _stamp(path)}, f)
-    return path
+    return quantized_once(
+        origin, path, label, {"source_sha256": file_sha256(origin), "qllama": __version__}
+    )
 
 
 def build(

@@ -67,7 +67,7 @@ def limit_threads(n: int) -> None:
     if importlib.util.find_spec("numba") is not None:
         import numba
 
-        numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+        numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))  # type: ignore[attr-defined]
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(n)
 
