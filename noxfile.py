@@ -25,7 +25,7 @@ def tests(session: nox.Session) -> None:
     sys.path, so the tests exercise what `pip install .` gives.
     """
     session.install(TORCH, *REFERENCE)
-    session.install(".[dev,torch,jax,reference,fast,dask]")
+    session.install(".[dev,torch,jax,reference,fast,plot,dask]")  # plot: the trace's figure
     args = session.posargs or ["-m", "not slow"]
     session.run("pytest", *args)
 
@@ -129,4 +129,8 @@ def bench(session: nox.Session) -> None:
         session.install(llama_cpp_wheel(session))
     except nox.command.CommandFailed:
         note = ["--llama-note", f"llama-cpp-python did not build ({LLAMA_CPP_BUILD} wheel)"]
+    try:  # llama-perplexity, for the corpus perplexity rows
+        note += ["--llama-bin", llama_cpp_tools(session)]
+    except nox.command.CommandFailed:
+        pass
     session.run("python", "benchmarks/bench.py", *note, *session.posargs)

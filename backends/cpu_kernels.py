@@ -15,6 +15,11 @@ calls. One call of ``kernel(fmt, serial=...)(raw, rows, x, simd, threads)``:
 3. combines the float32 terms in the order of ggml's generic C: per block, in block order,
    ``(d*y.d)*isum`` (+ ``m*y.s``, - ``(dmin*y.d)*msum``), as the oracle does.
 
+The IQ formats with kernels here (IQ3_S, IQ2_XS, IQ2_S) decode each super-block once into
+its signed grid values and sub-block scales, then take plain integer sums with each token
+(:func:`_matmul_iq`): ``(d*y.d) * bsum`` per block in block order, IQ2's ``0.125 * sumf`` at
+the end, as ggml's generic C.
+
 Few tokens (decoding): rows in groups of 4, each row's blocks 16 at a time against one
 token. Many tokens (prefill, teacher forcing): each weight block is decoded once and meets
 16 tokens at a time held in the vector lanes (``token_dots``), so that a block costs a few
@@ -52,8 +57,16 @@ from qllama.backends.cpu_simd import (
     token_wdots,
 )
 from qllama.ggml_types import GGMLType
+from qllama.quants import iq_grids
 
 F32 = np.float32
+IQ3_S, IQ2_XS, IQ2_S = (int(GGMLType[n]) for n in ("IQ3_S", "IQ2_XS", "IQ2_S"))
+IQ = (IQ3_S, IQ2_XS, IQ2_S)
+# the grids' values as the dot products read them (numba freezes these into the code)
+GRID_IQ3S = np.ascontiguousarray(iq_grids.IQ3S.ints)
+GRID_IQ2XS = np.ascontiguousarray(iq_grids.IQ2XS.ints)
+GRID_IQ2S = np.ascontiguousarray(iq_grids.IQ2S.ints)
+KSIGNS = iq_grids.parity_signs(np.arange(128))  # 7 sign bits -> 8, the 8th their parity
 
 
 @njit(**INLINE)
@@ -327,20 +340,44 @@ def _part(rows: int, parts: int, c: int) -> tuple[int, int]:
 
 
 @njit(**INLINE)
+def _q8k_activations(x):
+    """The rows of ``x`` (T, K) as Q8_K, token by token over the threads: int8 codes (T*K,),
+    float32 d (T, K/256), the sums of each 16 (T, K/16)."""
+    tokens, k = x.shape
+    xq = np.empty(tokens * k, np.int8)
+    dx = np.empty((tokens, k // 256), np.float32)
+    bsums = np.empty((tokens, k // 16), np.int32)
+    flat = x.reshape(-1)
+    for t in prange(tokens):
+        q8k_row(flat, t, k, xq, dx, bsums)
+    return xq, dx, bsums
+
+
+@njit(**INLINE)
+def _lane_tiles(xq, tokens, k):
+    """Token tiles of Q8_K codes ``xq`` (T*K,): the activations of each 256-block regrouped
+    by lane (element 8i + l in lane l), a lane's 32 values in 16 pairs, each pair of 16 tokens
+    side by side (``token_wdots``); the last tile padded with zeros. Returns (xw, tpad)."""
+    tpad = (tokens + 15) // 16 * 16
+    xw = np.zeros(k * tpad, np.int16)
+    for t in prange(tokens):
+        for b in range(k // 256):
+            for lane in range(8):
+                for i in range(32):
+                    g = (b * 8 + lane) * 16 + i // 2
+                    xw[(g * tpad + t) * 2 + i % 2] = xq[t * k + b * 256 + 8 * i + lane]
+    return xw, tpad
+
+
+@njit(**INLINE)
 def _matmul_kquant(raw, fmt, rows, x, simd, threads):
     """As :func:`matmul_legacy` for the 256-element super-blocks of the K-quants, against
     Q8_K activations: per block, 8 lane sums (element e in lane e % 8) scaled by
     ``d*y.d`` into 8 float accumulators, minus ``(dmin*y.d) * sum(mins * bsums)``; the lanes
     added at the end (Q2_K: one sum, ``(d*y.d)*isum - (dmin*y.d)*msum`` per block)."""
     tokens, k = x.shape
-    nb = k // 256
     ts = _type_size(fmt)
-    xq = np.empty(tokens * k, np.int8)
-    dx = np.empty((tokens, nb), np.float32)
-    bsums = np.empty((tokens, k // 16), np.int32)
-    flat = x.reshape(-1)
-    for t in prange(tokens):
-        q8k_row(flat, t, k, xq, dx, bsums)
+    xq, dx, bsums = _q8k_activations(x)
     out = np.empty((tokens, rows), np.float32)
     chunks = max(1, min(rows, threads))
     if tokens < TOKEN_TILE:
@@ -348,17 +385,7 @@ def _matmul_kquant(raw, fmt, rows, x, simd, threads):
             r0, r1 = c * rows // chunks, (c + 1) * rows // chunks
             _kquant_rows(raw, fmt, ts, r0, r1, xq, dx, bsums, out)
         return out
-    # token tiles: the activations of each 256-block regrouped by lane (element 8i + l in
-    # lane l), a lane's 32 values in 16 pairs, each pair of 16 tokens side by side
-    # (``token_wdots``); the last tile padded with zeros
-    tpad = (tokens + 15) // 16 * 16
-    xw = np.zeros(k * tpad, np.int16)
-    for t in prange(tokens):
-        for b in range(nb):
-            for lane in range(8):
-                for i in range(32):
-                    g = (b * 8 + lane) * 16 + i // 2
-                    xw[(g * tpad + t) * 2 + i % 2] = xq[t * k + b * 256 + 8 * i + lane]
+    xw, tpad = _lane_tiles(xq, tokens, k)
     dxt = np.ascontiguousarray(dx.T)
     bst = np.ascontiguousarray(bsums.T)
     parts = _parts(rows, threads)
@@ -508,6 +535,143 @@ def _kquant_tiles(raw, fmt, ts, r0, r1, xw, tpad, dxt, bst, out):
             _unstage(stage, at + 1, out, r - at)
 
 
+# --- IQ grid formats: IQ3_S, IQ2_XS, IQ2_S -----------------------------------------------------
+
+
+@njit(**INLINE)
+def _iq_type_size(fmt: int) -> int:
+    return 110 if fmt == IQ3_S else 74 if fmt == IQ2_XS else 82
+
+
+@njit(**INLINE)
+def _signed(q, qo, grid, index, signs, n):
+    """``n`` grid values of point ``index`` into ``q[qo:]``, negated where ``signs`` has a bit."""
+    for j in range(n):
+        q[qo + j] = grid[index, j] * (1 - 2 * ((signs >> j) & 1))
+
+
+@njit(**INLINE)
+def _iq_decode(raw, off, fmt, q, sc):
+    """A super-block's signed values into ``q`` (256 int8) and ``2s + 1`` of each 16 values
+    into ``sc`` (16 int32); returns d."""
+    if fmt == IQ3_S:
+        for g in range(64):  # groups of 4: index bit 8 in qh, a sign byte per 8 values
+            hi = (raw[off + 66 + g // 8] >> (g % 8)) & 1
+            index = int(raw[off + 2 + g]) | (int(hi) << 8)
+            signs = int(raw[off + 74 + g // 2]) >> (4 * (g % 2))
+            _signed(q, 4 * g, GRID_IQ3S, index, signs, 4)
+        for b in range(8):
+            s = (raw[off + 106 + b // 2] >> (4 * (b % 2))) & 15
+            sc[2 * b] = sc[2 * b + 1] = 2 * int(s) + 1
+    else:
+        for g in range(32):  # groups of 8
+            if fmt == IQ2_XS:
+                word = int(raw[off + 2 + 2 * g]) | (int(raw[off + 3 + 2 * g]) << 8)
+                _signed(q, 8 * g, GRID_IQ2XS, word & 511, int(KSIGNS[word >> 9]), 8)
+            else:
+                hi = (raw[off + 66 + g // 4] >> (2 * (g % 4))) & 3
+                index = int(raw[off + 2 + g]) | (int(hi) << 8)
+                _signed(q, 8 * g, GRID_IQ2S, index, int(raw[off + 34 + g]), 8)
+        base = off + (66 if fmt == IQ2_XS else 74)
+        for b in range(8):
+            s = raw[base + b]
+            sc[2 * b] = 2 * int(s & 15) + 1
+            sc[2 * b + 1] = 2 * int(s >> 4) + 1
+    return half_to_float(raw, off)
+
+
+@njit(**INLINE)
+def _matmul_iq(raw, fmt, rows, x, simd, threads):
+    """``x @ W.T`` in ggml's CPU arithmetic for IQ3_S / IQ2_XS / IQ2_S weights: Q8_K
+    activations, per block ``bsum = sum_sub (2s+1) * sum(q * y.qs)`` (exact integers) and
+    ``sumf += (d*y.d) * bsum`` in block order; IQ2 rows end with ``0.125 * sumf``. The
+    integer sums are taken as the K-quants' are (8 lanes, ``lanes8`` for few tokens, token
+    tiles for many) and the lanes added: the same integer."""
+    tokens, k = x.shape
+    xq, dx, _ = _q8k_activations(x)
+    out = np.empty((tokens, rows), np.float32)
+    if tokens < TOKEN_TILE:
+        chunks = max(1, min(rows, threads))
+        for c in prange(chunks):
+            r0, r1 = c * rows // chunks, (c + 1) * rows // chunks
+            _iq_rows(raw, fmt, r0, r1, xq, dx, out)
+        return out
+    xw, tpad = _lane_tiles(xq, tokens, k)
+    dxt = np.ascontiguousarray(dx.T)
+    parts = _parts(rows, threads)
+    for c in prange(parts):
+        r0, r1 = _part(rows, parts, c)
+        _iq_tiles(raw, fmt, r0, r1, xw, tpad, dxt, out)
+    return out
+
+
+@njit(**JIT)
+def _iq_rows(raw, fmt, r0, r1, xq, dx, out):
+    """Few tokens: per row and token, each super-block decoded, its 8 lane sums
+    (``lanes8``) added into ``bsum``."""
+    tokens, nb = dx.shape
+    k = nb * 256
+    ts = _iq_type_size(fmt)
+    q = np.empty(256, np.int8)
+    sc = np.empty(16, np.int32)
+    aux = np.empty(8, np.int32)
+    acc = np.empty(tokens, np.float32)
+    final = F32(1) if fmt == IQ3_S else F32(0.125)
+    for r in range(r0, r1):
+        acc[:] = 0
+        for b in range(nb):
+            d = _iq_decode(raw, (r * nb + b) * ts, fmt, q, sc)
+            for t in range(tokens):
+                lanes8(q, xq, t * k + b * 256, sc, aux, 16)
+                bsum = 0
+                for i in range(8):
+                    bsum += aux[i]
+                acc[t] += (d * dx[t, b]) * np.float32(bsum)
+        for t in range(tokens):
+            out[t, r] = final * acc[t]
+
+
+@njit(**JIT)
+def _iq_tiles(raw, fmt, r0, r1, xw, tpad, dxt, out):
+    """Many tokens: per super-block (decoded once, scales folded into int16 weights
+    regrouped by lane: |w| <= 43 * 31), each lane's sums for 16 tokens at a time
+    (``token_wdots``), the lanes added; rows staged as in :func:`_legacy_tiles`."""
+    nb, tokens = dxt.shape
+    ts = _iq_type_size(fmt)
+    gs = tpad * 2  # int16 elements between a lane's pairs
+    q = np.empty(256, np.int8)
+    sc = np.empty(16, np.int32)
+    w = np.empty(256, np.int16)
+    isum = np.empty(tpad, np.int32)
+    total = np.empty(tokens, np.int32)
+    stage = np.empty((16, tokens), np.float32)
+    final = F32(1) if fmt == IQ3_S else F32(0.125)
+    for r in range(r0, r1):
+        at = (r - r0) % 16
+        acc = stage[at]
+        acc[:] = 0
+        for b in range(nb):
+            d = _iq_decode(raw, (r * nb + b) * ts, fmt, q, sc)
+            for lane in range(8):
+                for i in range(32):
+                    e = 8 * i + lane
+                    w[32 * lane + i] = sc[e // 16] * q[e]
+            yd = dxt[b]
+            total[:] = 0
+            for lane in range(8):
+                xo = (b * 8 + lane) * 16 * gs
+                for t0 in range(0, tpad, 16):
+                    token_wdots(w, 32 * lane, xw, xo + 2 * t0, gs, isum[t0:])
+                for t in range(tokens):
+                    total[t] += isum[t]
+            for t in range(tokens):
+                acc[t] += (d * yd[t]) * np.float32(total[t])
+        for t in range(tokens):
+            acc[t] = final * acc[t]
+        if at == 15 or r + 1 == r1:
+            _unstage(stage, at + 1, out, r - at)
+
+
 def _named(kernel: Any, family: str, fmt: int, parallel: bool) -> Any:
     """Compile ``kernel`` under a name of its own: numba's disk cache is keyed by the
     function's name and signature (not by ``parallel``), and by its closure's values (an
@@ -534,11 +698,19 @@ def _kquant_kernel(fmt: int, parallel: bool) -> Any:
     return _named(kernel, "matmul", fmt, parallel)
 
 
+def _iq_kernel(fmt: int, parallel: bool) -> Any:
+    def kernel(raw, rows, x, simd, threads):
+        return _matmul_iq(raw, fmt, rows, x, simd, threads)
+
+    return _named(kernel, "matmul", fmt, parallel)
+
+
 # Each format parallel over weight rows (numba's threads) and serial: a parallel region has
 # every thread meet at its end, which costs more than a small matmul on one thread, and
 # much more when the machine is busy and a thread is waiting for a core.
 KERNELS = {fmt: (_legacy_kernel(fmt, True), _legacy_kernel(fmt, False)) for fmt in LEGACY}
 KERNELS.update({fmt: (_kquant_kernel(fmt, True), _kquant_kernel(fmt, False)) for fmt in KQUANTS})
+KERNELS.update({fmt: (_iq_kernel(fmt, True), _iq_kernel(fmt, False)) for fmt in IQ})
 
 
 def kernel(fmt: int, *, serial: bool) -> Any:

@@ -12,10 +12,12 @@ row) pair at once:
 * each weight format describes itself as integers and float scales
   (:meth:`~qllama.quants.base.QuantType.integer_form`), and :func:`vec_dot` is written once
   over that form: the integer sums of a block are float32 BLAS products that are exact (every
-  partial sum is an integer of at most 2**24, checked per format), and the float scales are
-  combined in the order of ggml's generic C (``ggml-cpu/quants.c``). Results equal that C,
-  compiled as written (no FMA contraction), bit for bit; ggml's SIMD kernels, and builds
-  that contract ``sumf += a*b`` into an FMA, differ from it by float32 rounding only.
+  partial sum is an integer of at most 2**24, checked per format; float64 for the IQ formats
+  whose sums can pass it, rounded to float32 as C converts ggml's int32 sum), and the float
+  scales are combined in the order of ggml's generic C (``ggml-cpu/quants.c``). Results
+  equal that C, compiled as written (no FMA contraction), bit for bit; ggml's SIMD kernels,
+  and builds that contract ``sumf += a*b`` into an FMA, differ from it by float32 rounding
+  only.
 
 Weights stay the file's bytes (a zero-copy view) and are unpacked chunk by chunk in each
 call, so memory per call is bounded by ``work_bytes``; no unpacked copy is kept. This path is
@@ -69,10 +71,13 @@ Q8_WEIGHT_TYPES = ALL_TYPES - {GGMLType.Q8_1, GGMLType.Q8_K}
 # the formats the compiled kernels compute (the float ones go through BLAS either way)
 KERNEL_LEGACY = frozenset(GGMLType[n] for n in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"))
 KERNEL_KQUANTS = frozenset(GGMLType[n] for n in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"))
+KERNEL_IQ = frozenset(GGMLType[n] for n in ("IQ3_S", "IQ2_XS", "IQ2_S"))
+KERNEL_TYPES = KERNEL_LEGACY | KERNEL_KQUANTS | KERNEL_IQ
 
 # Largest |q| of an activation block: 127, or -128 where the AVX2 quantizer saturates a NaN.
 _ACT_BOUND = 128
 _EXACT_F32 = 2**24  # every integer up to this magnitude is exact in float32
+_EXACT_F64 = 2**53
 # Below this many multiply-adds a matmul runs on one thread (~20 us): waking a second one
 # and meeting it at the end costs about as much.
 SERIAL_MACS = 1 << 17
@@ -154,9 +159,10 @@ class WeightBlocks:
     """An :class:`IntegerForm` laid out for BLAS: block-major, weight rows last.
 
     ``w`` is ``(n_blocks, lanes, block_size // lanes, R)`` float32, the integers with the
-    sub-block scales folded in (small exact integers); ``d``, ``m``, ``dmin`` are
-    ``(n_blocks, 1, R)`` and ``mins`` ``(n_blocks, n_sub, R)``, or None where absent;
-    ``lanes`` and ``sumi_first`` are the form's.
+    sub-block scales folded in (small exact integers; float64 where a block's sum can pass
+    2**24); ``d``, ``m``, ``dmin`` are ``(n_blocks, 1, R)`` and ``mins``
+    ``(n_blocks, n_sub, R)``, or None where absent; ``lanes``, ``sumi_first``,
+    ``isum_scale`` and ``row_scale`` are the form's.
     """
 
     w: np.ndarray
@@ -166,17 +172,22 @@ class WeightBlocks:
     mins: np.ndarray | None
     lanes: int
     sumi_first: bool
+    isum_scale: float = 1.0
+    row_scale: float = 1.0
 
     @classmethod
     def of(cls, form: IntegerForm, rows: int) -> WeightBlocks:
         block = form.q.shape[1]
         n_blocks = form.q.shape[0] // rows
-        # every partial sum of a block's integer dot product must be exact in float32
-        if _ACT_BOUND * (block // form.lanes) * form.bound > _EXACT_F32:
+        # every partial sum of a block's integer dot product must be exact: in float32 when
+        # it cannot pass 2**24, else in float64 (IQ2, IQ3_XXS: up to 128 * 256 * 62 * 31)
+        largest = _ACT_BOUND * (block // form.lanes) * form.bound
+        if largest > _EXACT_F64 or (largest > _EXACT_F32 and form.lanes > 1):
             raise AssertionError(
                 f"{block // form.lanes} products up to {_ACT_BOUND} * {form.bound} can pass "
-                "2**24: their float32 sum would not be exact"
+                "the exact range of their float sum"
             )
+        wide = np.float64 if largest > _EXACT_F32 else F32
         w = form.q.astype(np.int32)
         if form.scales is not None:
             w *= np.repeat(form.scales.astype(np.int32), form.sub_size, axis=1)
@@ -188,13 +199,15 @@ class WeightBlocks:
             return np.ascontiguousarray(a3, dtype=F32)
 
         return cls(
-            w=np.ascontiguousarray(w4, dtype=F32),
+            w=np.ascontiguousarray(w4, dtype=wide),
             d=per_block(form.d),
             m=None if form.m is None else per_block(form.m),
             dmin=None if form.dmin is None else per_block(form.dmin),
             mins=None if form.mins is None else per_block(form.mins),
             lanes=form.lanes,
             sumi_first=form.sumi_first,
+            isum_scale=form.isum_scale,
+            row_scale=form.row_scale,
         )
 
 
@@ -204,14 +217,18 @@ def vec_dot(acts: Activations, wb: WeightBlocks, tokens: slice) -> np.ndarray:
     Returns ``(T, R)`` float32, equal bit for bit to ggml's generic C (``ggml-cpu/quants.c``)
     compiled without FMA contraction. Per block, in block order: the integer sums (float32
     BLAS, exact), then ``sumf += (d*y.d)*isum + m*y.s - (dmin*y.d)*msum`` (Q4_0:
-    ``(isum*d)*y.d``); with 8 lanes, ``(d*y.d)*isum`` goes to 8 accumulators instead, added
-    to ``sumf`` after the last block.
+    ``(isum*d)*y.d``; IQ1: ``isum*isum_scale`` for ``isum``); with 8 lanes, ``(d*y.d)*isum``
+    goes to 8 accumulators instead, added to ``sumf`` after the last block. The IQ2 and
+    IQ3_XXS rows end with ``row_scale * sumf``.
     """
     q_act, d_act = acts.q[:, :, tokens], acts.d[:, tokens]
     sumf = np.zeros((d_act.shape[1], wb.w.shape[3]), dtype=F32)
     lane_sums = np.zeros((wb.lanes, *sumf.shape), dtype=F32)
     for b in range(q_act.shape[0]):
-        sumi = np.matmul(q_act[b], wb.w[b])  # (lanes, T, R): exact integers
+        # (lanes, T, R): exact integers; a float64 sum rounds to float32 as C's (float)sumi
+        sumi = np.matmul(q_act[b], wb.w[b]).astype(F32, copy=False)
+        if wb.isum_scale != 1.0:  # exact: a power of two on an integer below 2**24
+            sumi *= F32(wb.isum_scale)
         yd = d_act[b][:, None]
         mterm = None
         if wb.mins is not None:  # - (dmin*y.d) * sum(m * bsums), integers exact as well
@@ -234,6 +251,8 @@ def vec_dot(acts: Activations, wb: WeightBlocks, tokens: slice) -> np.ndarray:
     if wb.lanes > 1:
         for lane in lane_sums:
             sumf += lane
+    if wb.row_scale != 1.0:
+        sumf *= F32(wb.row_scale)
     return sumf
 
 
@@ -354,7 +373,7 @@ class NumpyBackend(ArrayBackend):
     def _matmul_q8(self, x: np.ndarray, w: Packed) -> np.ndarray:
         """ggml's CPU matmul: quantize the activations once, then ``vec_dot`` by chunks."""
         if self.kernels == "numba":
-            if w.tensor.ggml_type in KERNEL_LEGACY or w.tensor.ggml_type in KERNEL_KQUANTS:
+            if w.tensor.ggml_type in KERNEL_TYPES:
                 return self._matmul_kernels(x, w)
             if w.tensor.ggml_type == GGMLType.F32:
                 return self._matmul_f32_view(x, w)

@@ -69,6 +69,15 @@ QLLAMA: list[tuple[str, str, dict[str, Any], tuple[str, ...] | None, bool, dict[
     ("jax", "jax", {}, None, False, {}),
 ]
 CPU_ROWS = ("numpy cpu (numba kernels)", "numpy cpu (numba kernels, 2 BLAS threads)")
+# corpus perplexity at n_ctx 512 (issue 14): label, load options; then llama-perplexity itself
+PPL_CTX = 512
+PPL_CORPUS = "botchan"
+PERPLEXITY: list[tuple[str, dict[str, Any]]] = [
+    ("perplexity: numpy dequantize-all", {"dequantize_all": True}),
+    # + qllama.perplexity.LLAMA_CPP_CPU, added by the worker
+    ("perplexity: numpy cpu as llama.cpp", {"kernels": "numba", "as_llama_cpp": True}),
+]
+LLAMA_PERPLEXITY = "perplexity: llama-perplexity"
 LLAMA_CPP = "llama.cpp"
 TRANSFORMERS = "transformers f32 eager"
 
@@ -86,6 +95,21 @@ def configs(paths: dict[str, str], only: str | None) -> list[Config]:
         for logits_all in (False, True):
             job = {"kind": "llama_cpp", "file": paths[ft], "logits_all": logits_all}
             rows.append(Config(LLAMA_CPP, ft, job))
+    return [c for c in rows if only is None or only.lower() in c.name.lower()]
+
+
+def perplexity_configs(
+    paths: dict[str, str], windows: int, llama_bin: str | None, only: str | None
+) -> list[Config]:
+    """qllama and llama-perplexity over the same corpus windows, per file."""
+    rows = []
+    for ft in FILES:
+        common = {"file": paths[ft], "n_ctx": PPL_CTX, "windows": windows, "corpus": PPL_CORPUS}
+        for label, options in PERPLEXITY:
+            rows.append(Config(label, ft, {"kind": "perplexity", "options": options, **common}))
+        if llama_bin:
+            job = {"kind": "llama_perplexity", "llama_bin": llama_bin, **common}
+            rows.append(Config(LLAMA_PERPLEXITY, ft, job))
     return [c for c in rows if only is None or only.lower() in c.name.lower()]
 
 
@@ -217,6 +241,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=900, help="seconds per configuration")
     p.add_argument("--llama-python", default=sys.executable, help="python with llama-cpp-python")
     p.add_argument("--llama-note", help="why llama.cpp is missing (the nox session sets it)")
+    p.add_argument("--llama-bin", help="llama.cpp's tools (llama-perplexity), for perplexity")
+    p.add_argument(
+        "--ppl-windows", type=int, default=16, help="corpus windows of 512 for perplexity"
+    )
     p.add_argument("--worker", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -283,6 +311,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{out.seconds:.0f} s" + (f"  FAILED: {out.error}" if out.error else ""), flush=True)
         outcomes[key] = (c, out)
 
+    for c in perplexity_configs(paths, args.ppl_windows, args.llama_bin, args.only):
+        job = {**c.job, "threads": args.threads}
+        print(f"{c.name} ...", end=" ", flush=True)
+        out = run_worker(job, sys.executable, args.threads, args.timeout)
+        print(f"{out.seconds:.0f} s" + (f"  FAILED: {out.error}" if out.error else ""), flush=True)
+        outcomes[c.name] = (c, out)
+
     info = {
         "date": started.strftime("%Y-%m-%d %H:%M UTC"),
         "machine": machine(),
@@ -297,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
         "first_stop": got.result.get("first_stop"),
         "file_mb": sizes,
         "llama_note": llama_note,
+        "ppl_windows": args.ppl_windows,
+        "ppl_llama_bin": bool(args.llama_bin),
     }
     write_report(Path(args.out), info, outcomes)
     if args.json:

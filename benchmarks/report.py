@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from bench import CPU_ROWS, LLAMA_CPP, TRANSFORMERS, Config, Outcome
+from bench import CPU_ROWS, LLAMA_CPP, LLAMA_PERPLEXITY, PPL_CTX, TRANSFORMERS, Config, Outcome
 
 from qllama.atomic import atomic_write
 
@@ -17,6 +17,8 @@ def rows(outcomes: dict[str, tuple[Config, Outcome]]) -> tuple[list[Row], list[s
     table: dict[tuple[str, str], Row] = {}
     failed = []
     for key, (c, out) in outcomes.items():
+        if c.job["kind"] in PERPLEXITY_KINDS:
+            continue  # their own section
         if out.result is None:
             failed.append(f"{key}: {out.error}")
             continue
@@ -32,6 +34,50 @@ def rows(outcomes: dict[str, tuple[Config, Outcome]]) -> tuple[list[Row], list[s
         else:
             row.update(r)
     return list(table.values()), failed
+
+
+PERPLEXITY_KINDS = ("perplexity", "llama_perplexity")
+
+
+def perplexity_md(outcomes: dict[str, tuple[Config, Outcome]], info: dict[str, Any]) -> list[str]:
+    """Corpus perplexity at n_ctx 512: tokens/s of each setting, and the targets (issue 14)."""
+    got = {
+        (c.label, c.file): out for c, out in outcomes.values() if c.job["kind"] in PERPLEXITY_KINDS
+    }
+    if not got:
+        return []
+    out = [
+        f"## Corpus perplexity (n_ctx {PPL_CTX}, {info['ppl_windows']} windows of the Botchan "
+        "corpus)",
+        "",
+        "Tokens/s: windows x n_ctx tokens over the scoring loop's wall time (qllama, after one "
+        "window of warm-up); llama-perplexity: its own prompt-eval time (the decode calls), and "
+        "in brackets its wall time less loading. Same file, same text, same windows.",
+        "",
+        "| setting | file | tokens/s | PPL |",
+        "|---|---|--:|--:|",
+    ]
+    for (label, ft), o in got.items():
+        r = o.result or {}
+        extra = f" ({num(r.get('wall_tok_s'))})" if r.get("wall_tok_s") else ""
+        ppl = num(r.get("ppl"), "{:.4f}")
+        failed = f" failed: {o.error}" if o.error else ""
+        out.append(f"| {label} | {ft} | {num(r.get('ppl_tok_s'))}{extra}{failed} | {ppl} |")
+    out.append("")
+    if not info.get("ppl_llama_bin"):
+        return [*out, "llama-perplexity not run (no --llama-bin): no targets checked.", ""]
+    for label, goal in (("perplexity: numpy dequantize-all", 1.0),
+                        ("perplexity: numpy cpu as llama.cpp", 0.7)):  # fmt: skip
+        for ft in ("Q8_0", "Q4_K_M"):
+            ours, theirs = got.get((label, ft)), got.get((LLAMA_PERPLEXITY, ft))
+            a = ours.result.get("ppl_tok_s") if ours and ours.result else None
+            b = theirs.result.get("ppl_tok_s") if theirs and theirs.result else None
+            x = a / b if a and b else None
+            out.append(
+                f"- {label}, {ft} >= {goal:g}x llama-perplexity: {num(a)} vs {num(b)} tok/s = "
+                f"{num(x, '{:.2f}x')}: {verdict(x, goal)}"
+            )
+    return [*out, ""]
 
 
 def find(table: list[Row], label: str, file: str) -> Row | None:
@@ -217,6 +263,7 @@ def write_report(
         "",
         *profile_md(table),
         "",
+        *perplexity_md(outcomes, info),
     ]
     imports = [
         (r["label"], r.get("import_rss_mb"))

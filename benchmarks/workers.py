@@ -296,12 +296,94 @@ def run_llama_cpp(job: dict) -> dict:
     return result
 
 
+# --- corpus perplexity ----------------------------------------------------------------------
+
+
+def run_perplexity(job: dict) -> dict:
+    """qllama perplexity over the corpus's first ``windows`` windows of ``n_ctx``: tokens/s
+    of the scoring loop (windows x n_ctx tokens over its wall time; one window of warm-up)."""
+    import qllama
+    from qllama import corpus, perplexity
+
+    options = dict(job["options"])
+    if options.pop("as_llama_cpp", False):
+        options.update(perplexity.LLAMA_CPP_CPU)
+    if options.get("kernels", "numba") == "numba" and not options.get("dequantize_all"):
+        import numba
+
+        numba.set_num_threads(job["threads"])
+        options.setdefault("threads", job["threads"])
+    model = qllama.load(job["file"], n_ctx=job["n_ctx"], **options)
+    ids = perplexity.tokenize(model.tokenizer, corpus.text(job["corpus"]))
+    wins = perplexity.windows(ids, job["n_ctx"], n_chunks=job["windows"])
+    score = perplexity.qllama_scorer(model)
+    score(wins.evaluated(0), wins.first)  # warm-up: numba's cached kernels, first touches
+    t = time.perf_counter()
+    scores = perplexity.run(score, wins)
+    seconds = time.perf_counter() - t
+    return {
+        "ppl_tok_s": wins.n_chunk * wins.n_ctx / seconds,
+        "ppl": scores.ppl()[0],
+        "windows": wins.n_chunk,
+        **memory_mb(),
+    }
+
+
+def run_llama_perplexity(job: dict) -> dict:
+    """llama-perplexity (the tools' binary) on the same text and windows: tokens/s from its
+    own prompt-eval timing (the decode calls), and from its wall time less loading."""
+    import re
+    import subprocess
+    import tempfile
+
+    from qllama import corpus
+
+    text = corpus.text(job["corpus"])
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        cmd = [os.path.join(job["llama_bin"], "llama-perplexity"), "-m", job["file"], "-f"]
+        cmd += [f.name, "-c", str(job["n_ctx"]), "-b", str(job["n_ctx"])]
+        cmd += ["-t", str(job["threads"]), "--chunks", str(job["windows"]), "-ngl", "0"]
+        t = time.perf_counter()
+        env = {**os.environ, "LD_LIBRARY_PATH": job["llama_bin"]}  # its shared libraries
+        run = subprocess.run(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=False, env=env
+        )  # one stream: its log lines in order, each whole
+        wall = time.perf_counter() - t
+    out = run.stdout
+    if run.returncode != 0:
+        raise RuntimeError(out.strip().splitlines()[-1] if out.strip() else "failed")
+    # the scoring loop: from its "calculating perplexity" line to "Final estimate", by the
+    # log's own timestamps (minutes.seconds.milliseconds.microseconds; this build prints no
+    # perf lines)
+    stamp = r"^(\d+)\.(\d+)\.(\d+)\.(\d+) I "
+    begin = re.search(stamp + r"perplexity: calculating", out, re.M)
+    end = re.search(stamp + r"Final estimate: PPL = ([\d.]+)", out, re.M)
+
+    def seconds(m: re.Match[str]) -> float:
+        mi, se, ms, us = (int(x) for x in m.groups()[:4])
+        return 60 * mi + se + ms / 1e3 + us / 1e6
+
+    tokens = job["windows"] * job["n_ctx"]
+    loop = seconds(end) - seconds(begin) if begin and end else None
+    result = {
+        "ppl_tok_s": tokens / loop if loop else None,
+        "wall_tok_s": tokens / wall,
+        "ppl": float(end.group(5)) if end else None,
+        "windows": job["windows"],
+    }
+    return result
+
+
 KINDS: dict[str, Callable[[dict], dict]] = {
     "qllama": run_qllama,
     "ids": run_ids,
     "warm": run_warm,
     "transformers": run_transformers,
     "llama_cpp": run_llama_cpp,
+    "perplexity": run_perplexity,
+    "llama_perplexity": run_llama_perplexity,
 }
 
 

@@ -7,6 +7,7 @@ line on stderr and a non-zero status, never a traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -194,7 +195,6 @@ def _yes(flag: bool) -> str:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     from qllama import compare, metrics
-    from qllama.atomic import atomic_write
     from qllama.loader import load
 
     model = load(args.model, **_backend_options(args))
@@ -255,9 +255,283 @@ def cmd_compare(args: argparse.Namespace) -> int:
             "teacher_forcing": s,
             "free_generation": free.summary(),
         }
-        with atomic_write(args.json, "w") as f:
-            json.dump(doc, f, indent=1)
-        print(f"wrote {args.json}")
+        _write_json(args.json, doc)
+    return 0
+
+
+# --- trace and attribute --------------------------------------------------------------------
+
+
+def _prompt_ids(path: str, prompt: str, chat: bool) -> tuple[list[int], list[int]]:
+    """The prompt's ids with the file's tokenizer (and chat template), and its stop ids."""
+    from qllama.loader import load
+
+    model = load(path, check_weights=False)
+    if chat:
+        ids = model.apply_chat_template([{"role": "user", "content": prompt}])
+    else:
+        ids = model.tokenizer.encode(prompt)
+    stops = sorted(model.tokenizer.stop_ids)
+    model.source.close()
+    return list(ids), stops
+
+
+def _transformers_tokens(
+    ref_path: str, prompt: list[int], stops: list[int], new_tokens: int
+) -> tuple[Any, list[int]]:
+    """transformers on the reference file, and the prompt with its greedy continuation."""
+    from qllama.reference import load_transformers, transformers_reference
+
+    hf = load_transformers(ref_path)
+    if new_tokens <= 0:
+        return hf, prompt
+    ref = transformers_reference(
+        ref_path, prompt, max_new_tokens=new_tokens, stop_ids=stops, model=hf
+    )
+    return hf, ref.tokens
+
+
+def _progress_bar(desc: str) -> Any:
+    """A (done, total, label) callback drawing a tqdm bar on stderr."""
+    from tqdm import tqdm
+
+    bar: list[Any] = []
+
+    def progress(done: int, total: int, label: str) -> None:
+        if not bar:
+            bar.append(tqdm(total=total, desc=desc, unit="pass", file=sys.stderr))
+        bar[0].n = done
+        bar[0].set_postfix_str(label, refresh=True)
+        if done >= total:
+            bar[0].close()
+
+    return progress
+
+
+def _write_json(path: str, doc: dict[str, Any]) -> None:
+    from qllama.atomic import atomic_write
+
+    with atomic_write(path, "w") as f:
+        json.dump(doc, f, indent=1)
+    print(f"wrote {path}")
+
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    from qllama.reference import transformers_trace
+    from qllama.trace import layer_trace, positions_from_text
+
+    prompt, stops = _prompt_ids(args.file, args.prompt, args.chat)
+    print(f"reference: transformers on {args.reference} ...", file=sys.stderr, flush=True)
+    hf, tokens = _transformers_tokens(args.reference, prompt, stops, args.max_new_tokens)
+    positions = positions_from_text(args.positions, len(tokens), len(prompt))
+    ref = transformers_trace(args.reference, tokens, positions=positions, qkv=args.qkv, model=hf)
+    report = layer_trace(
+        args.file,
+        args.reference,
+        tokens,
+        settings=args.setting or ("cpu", "gpu", "dequantize-all"),
+        qkv=args.qkv,
+        band_factor=args.band_factor,
+        reference=ref,
+        progress=lambda what: print(f"  {what} ...", file=sys.stderr, flush=True),
+    )
+    print(
+        f"{args.file} against transformers on {args.reference}: {len(tokens)} tokens "
+        f"({len(prompt)} prompt), {len(ref.positions)} positions compared\n"
+    )
+    print(report.format())
+    if args.plot:
+        report.plot(args.plot)
+        print(f"wrote {args.plot}")
+    if args.json:
+        _write_json(args.json, {"tokens": tokens, **report.to_dict()})
+    return 0
+
+
+def cmd_attribute(args: argparse.Namespace) -> int:
+    from qllama.attribution import attribute
+    from qllama.compare import Reference
+
+    if args.reference.endswith(".npz"):
+        ref = Reference.load(args.reference)
+        f32 = args.f32
+    else:
+        if args.prompt is None:
+            raise QllamaError("a GGUF reference needs --prompt (an .npz reference has its tokens)")
+        prompt, stops = _prompt_ids(args.file, args.prompt, args.chat)
+        from qllama.reference import transformers_reference
+
+        print(f"reference: transformers on {args.reference} ...", file=sys.stderr, flush=True)
+        ref = transformers_reference(
+            args.reference, prompt, max_new_tokens=args.max_new_tokens, stop_ids=stops
+        )
+        f32 = args.f32 or args.reference
+    result = attribute(
+        args.file,
+        ref,
+        kind=args.kind,
+        by=args.by,
+        f32_path=f32,
+        arithmetic=args.arithmetic,
+        backend=args.backend or "numpy",
+        progress=_progress_bar(f"attribute by {args.by}"),
+    )
+    print(result.format())
+    if args.json:
+        _write_json(args.json, result.to_dict())
+    return 0
+
+
+# --- perplexity -------------------------------------------------------------------------------
+
+
+def _corpus_text(spec: str) -> tuple[str, dict[str, Any]]:
+    """The text of ``--text``: ``corpus:NAME`` (a packaged corpus) or a UTF-8 file."""
+    import hashlib
+
+    from qllama import corpus
+
+    if spec.startswith("corpus:"):
+        name = spec.split(":", 1)[1]
+        text = corpus.text(name)
+        source = {"corpus": name, "title": corpus.CORPORA[name].title}
+    else:
+        with open(spec, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+        source = {"file": os.path.basename(spec)}
+    return text, {**source, "sha256": hashlib.sha256(text.encode()).hexdigest()}
+
+
+def cmd_perplexity(args: argparse.Namespace) -> int:
+    import time
+
+    from qllama import kld_base, metrics, perplexity
+    from qllama.model_files import sha256_file
+    from qllama.tokenizer import Tokenizer
+
+    base = kld_base.BaseFile.open(args.kl_divergence_base) if args.kl_divergence_base else None
+    if base is not None and args.ctx is not None and args.ctx != base.header.n_ctx:
+        raise QllamaError(f"{base.path} was made with a context of {base.header.n_ctx}")
+    n_ctx = base.header.n_ctx if base is not None else (args.ctx or 512)
+    tokenizer = Tokenizer.from_gguf(args.file)
+    if base is not None:
+        wins = perplexity.windows_of_base(base, tokenizer)
+        if args.chunks is not None:
+            base = base.head(min(args.chunks, base.header.n_chunk))
+            wins = perplexity.Windows(base.tokens, wins.bos)
+        if args.text:
+            ids = perplexity.tokenize(tokenizer, _corpus_text(args.text)[0])
+            given = perplexity.windows(ids, n_ctx, n_chunks=wins.n_chunk, bos=wins.bos)
+            if not np.array_equal(given.tokens, wins.tokens):
+                raise QllamaError(f"--text does not give the tokens {base.path} was made on")
+        text_source = base.header.meta.get("text", {})
+    else:
+        if not args.text:
+            raise QllamaError("give --text (a file, or corpus:NAME) or --kl-divergence-base")
+        text, text_source = _corpus_text(args.text)
+        ids = perplexity.tokenize(tokenizer, text)
+        bos = tokenizer.bos_id if tokenizer.add_bos else None
+        wins = perplexity.windows(ids, n_ctx, n_chunks=args.chunks, bos=bos)
+
+    if args.transformers:
+        from qllama.reference import load_transformers
+
+        scorer = perplexity.transformers_scorer(load_transformers(args.file))
+        setting: dict[str, Any] = {"engine": "transformers f32 eager"}
+    else:
+        from qllama.loader import load
+
+        options = _backend_options(args)
+        if args.as_llama_cpp:
+            options.update(perplexity.LLAMA_CPP_CPU)
+        if args.kv:
+            options["kv_precision"] = args.kv
+        if args.threads:
+            options["threads"] = args.threads
+        model = load(args.file, n_ctx=n_ctx, **options)
+        scorer = perplexity.qllama_scorer(model)
+        setting = {"engine": "qllama", **{k: v for k, v in options.items() if v is not None}}
+
+    print(
+        f"{os.path.basename(args.file)}: {wins.n_chunk} windows of {wins.n_ctx} tokens, "
+        f"{wins.n_chunk * wins.n_scored} scored; {setting}",
+        file=sys.stderr,
+    )
+    from tqdm import tqdm
+
+    bar = tqdm(total=wins.n_chunk * wins.n_ctx, unit="tok", disable=args.quiet, file=sys.stderr)
+    running: list[str] = []
+
+    def on_window(i: int, scores: perplexity.Scores) -> None:
+        if base is None:
+            running.append(perplexity.ppl_running(scores))
+            bar.set_postfix_str(running[-1].split("]")[1].rstrip(","))
+            return
+        if i == 0:
+            bar.write(perplexity.KL_TABLE_HEAD)
+        bar.write(perplexity.kl_running(scores))
+
+    save = None
+    if args.save_base:
+        meta = {
+            "model": os.path.basename(args.file),
+            "model_sha256": sha256_file(args.file),
+            "setting": setting,
+            "text": text_source,
+        }
+        save = kld_base.BaseWriter(
+            args.save_base,
+            args.base_format,
+            n_ctx=wins.n_ctx,
+            n_vocab=tokenizer.n_vocab,
+            tokens=wins.tokens,
+            meta=meta,
+        )
+    started = time.perf_counter()
+    try:
+        with save if save is not None else contextlib.nullcontext():
+            scores = perplexity.run(
+                scorer, wins, base=base, save=save, progress=bar.update, on_window=on_window
+            )
+    finally:
+        bar.close()
+    seconds = time.perf_counter() - started
+    if running:
+        print("".join(running))
+    ppl, unc = scores.ppl()
+    print(perplexity.ppl_final(scores))
+    doc: dict[str, Any] = {
+        "model": args.file,
+        "setting": setting,
+        "text": text_source,
+        "n_ctx": wins.n_ctx,
+        "windows": wins.n_chunk,
+        "scored": scores.count,
+        "ppl": ppl,
+        "ppl_unc": unc,
+        "seconds": seconds,
+        "tokens_per_s": wins.n_chunk * wins.n_ctx / seconds,
+    }
+    if base is not None:
+        if scores.count >= perplexity.MIN_STATISTICS:
+            kl = scores.kl()
+            print()
+            print(metrics.format_kl_stats(kl))
+            doc["kl"] = kl.to_dict()
+        else:
+            print(
+                f"{scores.count} scored positions: no statistics below {perplexity.MIN_STATISTICS}"
+            )
+        doc["base"] = {"path": str(base.path), "format": base.header.fmt, **base.header.meta}
+    print(
+        f"{wins.n_chunk * wins.n_ctx} tokens in {seconds:.1f} s: "
+        f"{doc['tokens_per_s']:.1f} tokens/s",
+        file=sys.stderr,
+    )
+    if args.save_base:
+        print(f"wrote {args.save_base} ({args.base_format})", file=sys.stderr)
+    if args.json:
+        _write_json(args.json, doc)
     return 0
 
 
@@ -351,6 +625,58 @@ def build_parser() -> argparse.ArgumentParser:
     _add_backend_args(s)
     s.set_defaults(run=cmd_compare)
 
+    s = sub.add_parser("trace", help="per-layer error against transformers, per setting")
+    s.add_argument("file")
+    s.add_argument("--reference", required=True, help="the F32 GGUF (transformers reads it)")
+    s.add_argument("--prompt", required=True)
+    s.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    s.add_argument(
+        "--max-new-tokens", type=int, default=0, help="append the reference's greedy tokens"
+    )
+    s.add_argument(
+        "--positions",
+        default="all",
+        help="all (default), last, prompt, new, or positions and a:b ranges (0,5,-1 or 10:20)",
+    )
+    s.add_argument(
+        "--setting",
+        action="append",
+        help="cpu | gpu | dequantize-all | f32 (repeatable; default cpu, gpu, dequantize-all)",
+    )
+    s.add_argument("--qkv", action="store_true", help="also compare Q, K and V")
+    s.add_argument(
+        "--band-factor", type=float, default=10.0, help="the F32 control's band (x its error)"
+    )
+    s.add_argument("--plot", help="write the error-against-layer plot here (PNG)")
+    s.add_argument("--json", help="write every number here")
+    s.set_defaults(run=cmd_trace)
+
+    s = sub.add_parser("attribute", help="attribute the error to tensor classes, layers, tensors")
+    s.add_argument("file")
+    s.add_argument(
+        "--reference", required=True, help="the F32 GGUF (transformers runs it), or a .npz"
+    )
+    s.add_argument("--by", choices=["class", "layer", "tensor"], default="class")
+    s.add_argument(
+        "--kind",
+        choices=["weights", "activations"],
+        default="weights",
+        help="the file's weights, or q8 activations, for one group at a time (default weights)",
+    )
+    s.add_argument("--prompt", help="the prompt (with a GGUF reference)")
+    s.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    s.add_argument("--max-new-tokens", type=int, default=128, help="reference length")
+    s.add_argument("--f32", help="the F32 file for --kind weights (default: a GGUF reference)")
+    s.add_argument(
+        "--arithmetic",
+        choices=["f32", "dequantized", "q8"],
+        default="f32",
+        help="where the cause is off (default f32)",
+    )
+    s.add_argument("--backend", help="numpy (default) | torch | jax")
+    s.add_argument("--json", help="write every number here")
+    s.set_defaults(run=cmd_attribute)
+
     s = sub.add_parser("study", help="run a study declared in a TOML file (docs/studies.md)")
     s.add_argument("action", choices=["run", "cells"], help="run it, or list its cells")
     s.add_argument("study", help="the study's TOML file")
@@ -384,6 +710,42 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--stop", action="append", help="stop at this text (repeatable)")
     s.add_argument("--ctx", type=int, help="context length (default: the model's)")
     s.set_defaults(run=cmd_generate)
+
+    s = sub.add_parser(
+        "perplexity", help="perplexity and KL divergence over a corpus, as llama-perplexity"
+    )
+    s.add_argument("file")
+    s.add_argument("--text", help="a UTF-8 text file, or corpus:NAME (e.g. corpus:botchan)")
+    s.add_argument("--ctx", type=int, help="window length (default 512, or the base's)")
+    s.add_argument("--chunks", type=int, help="at most this many windows (default: all)")
+    s.add_argument("--save-base", metavar="BASE", help="write this run's logits as a base")
+    s.add_argument(
+        "--base-format",
+        choices=["llama", "f32"],
+        default="llama",
+        help="llama: llama-perplexity's uint16 file (default); f32: the float32 logits",
+    )
+    s.add_argument(
+        "--kl-divergence-base", metavar="BASE", help="compare with this base (either format)"
+    )
+    s.add_argument(
+        "--transformers",
+        action="store_true",
+        help="score with the transformers f32 reference instead of qllama (an F32 file)",
+    )
+    s.add_argument(
+        "--as-llama-cpp",
+        action="store_true",
+        help="the CPU arithmetic as llama.cpp's CPU backend computes it (see docs/perplexity.md)",
+    )
+    s.add_argument("--kv", choices=["f32", "f16", "f16-flash"], help="KV cache precision")
+    s.add_argument(
+        "--threads", type=int, help="numpy backend: the compiled kernels' threads (numba's)"
+    )
+    s.add_argument("--json", help="write every number here")
+    s.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    _add_backend_args(s)
+    s.set_defaults(run=cmd_perplexity)
     return p
 
 

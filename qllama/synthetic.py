@@ -1,4 +1,4 @@
-"""Tiny random llama GGUF files, written by qllama itself, for fast tests and examples.
+"""Tiny random GGUF files of every architecture, written by qllama itself, for fast tests.
 
 The files have every piece a real one has (hyperparameters, a vocabulary with special tokens,
 a chat template, tied or separate output) at a size that loads in milliseconds. The vocabulary
@@ -16,6 +16,8 @@ from typing import Any
 import numpy as np
 
 from qllama import quants
+from qllama.architectures import architecture
+from qllama.config import ModelConfig
 from qllama.ggml_types import GGMLType, ValueType
 from qllama.gguf_reader import GGUFValue
 from qllama.gguf_writer import GGUFWriter
@@ -32,7 +34,12 @@ MERGES = ["Ġ t", "Ġ a", "i n", "h e", "r e", "o n", "Ġt he", "e r", "Ġ s", "
 
 @dataclass(frozen=True)
 class TinyConfig:
-    """Shape of a synthetic llama. Defaults: 2 layers, 64 wide, GQA 4:2, tied output."""
+    """Shape of a synthetic model. Defaults: a llama, 2 layers, 64 wide, GQA 4:2, tied output.
+
+    ``arch`` is any of :data:`qllama.architectures.ARCHITECTURES`; the tensors written are
+    the ones its declaration lists (the optional ones as asked: ``biases``, ``rope_freqs``,
+    ``fused_qkv``), so a tiny file of each family has exactly what a converted one has.
+    """
 
     n_layer: int = 2
     n_embd: int = 64
@@ -46,6 +53,14 @@ class TinyConfig:
     weight_type: str = "F32"  # type of the 2-D weights
     scale: float = 0.1  # std of the random weights
     vocab: str = "gpt2"  # "gpt2" (byte-level BPE) or "llama" (SentencePiece-style)
+    arch: str = "llama"
+    head_dim: int = 0  # attention.key_length (0: n_embd / n_head, and no key written)
+    n_rot: int = 0  # rope.dimension_count (0: head_dim)
+    sliding_window: int = 0  # attention.sliding_window (0: not written)
+    biases: bool = False  # the optional biases of the architecture
+    rope_freqs: bool = False  # a rope_freqs.weight (Llama 3.1 style), where the family has one
+    fused_qkv: bool = False  # attn_qkv instead of attn_q/k/v (phi3 always)
+    extra_keys: tuple[tuple[str, Any], ...] = ()  # more {arch}.* keys, e.g. softcaps
 
 
 def byte_tokens() -> list[str]:
@@ -145,62 +160,102 @@ def _vocabulary_metadata(kind: str) -> dict[str, Any]:
     raise ValueError(f"unknown synthetic vocabulary {kind!r} (known: 'gpt2', 'llama')")
 
 
+def model_config(cfg: TinyConfig, n_vocab: int) -> ModelConfig:
+    """The config qllama reads back from the file (enough of it for the tensor shapes)."""
+    return ModelConfig(
+        n_vocab=n_vocab,
+        n_embd=cfg.n_embd,
+        n_layer=cfg.n_layer,
+        n_head=cfg.n_head,
+        n_head_kv=cfg.n_head_kv,
+        n_ff=cfg.n_ff,
+        n_ctx=cfg.n_ctx,
+        rope_base=cfg.rope_base,
+        eps=cfg.eps,
+        arch=cfg.arch,
+        key_length=cfg.head_dim,
+        value_length=cfg.head_dim,
+        n_rot=cfg.n_rot,
+    )
+
+
 def tensor_shapes(cfg: TinyConfig, n_vocab: int) -> dict[str, tuple[int, ...]]:
-    """Every tensor of the model, numpy order (rows last), in GGUF naming."""
-    head_dim = cfg.n_embd // cfg.n_head
-    shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (n_vocab, cfg.n_embd)}
-    for i in range(cfg.n_layer):
-        b = f"blk.{i}."
-        shapes |= {
-            b + "attn_norm.weight": (cfg.n_embd,),
-            b + "attn_q.weight": (cfg.n_head * head_dim, cfg.n_embd),
-            b + "attn_k.weight": (cfg.n_head_kv * head_dim, cfg.n_embd),
-            b + "attn_v.weight": (cfg.n_head_kv * head_dim, cfg.n_embd),
-            b + "attn_output.weight": (cfg.n_embd, cfg.n_head * head_dim),
-            b + "ffn_norm.weight": (cfg.n_embd,),
-            b + "ffn_gate.weight": (cfg.n_ff, cfg.n_embd),
-            b + "ffn_up.weight": (cfg.n_ff, cfg.n_embd),
-            b + "ffn_down.weight": (cfg.n_embd, cfg.n_ff),
-        }
-    shapes["output_norm.weight"] = (cfg.n_embd,)
-    if not cfg.tied:
-        shapes["output.weight"] = (n_vocab, cfg.n_embd)
+    """Every tensor of the model, numpy order (rows last), in GGUF naming: the required
+    tensors of the architecture and the optional ones ``cfg`` asks for."""
+    a = architecture(cfg.arch)
+    c = model_config(cfg, n_vocab)
+    fused = cfg.fused_qkv if a.fused_qkv is None else a.fused_qkv
+    # output.bias (qwen2 allows one) is left out: no converter writes it
+    wanted = {
+        "output.weight": not cfg.tied,
+        "rope_freqs.weight": cfg.rope_freqs,
+        "output.bias": False,
+    }
+    shapes = {}
+    for t in a.tensors(c, fused_qkv=fused):
+        keep = wanted.get(t.name, cfg.biases and t.name.endswith(".bias"))
+        if t.required or keep:
+            shapes[t.name] = t.shape(c)
     return shapes
 
 
-def write_tiny_llama(
+def write_tiny(
     path: str | os.PathLike[str], cfg: TinyConfig = TinyConfig(), *, seed: int = 0
 ) -> None:
-    """Write a random tiny llama GGUF to ``path``."""
+    """Write a random tiny GGUF of ``cfg.arch`` to ``path``."""
     rng = np.random.default_rng(seed)
     vocab_meta = _vocabulary_metadata(cfg.vocab)
     n_vocab = len(vocab_meta["tokenizer.ggml.tokens"])
     w = GGUFWriter()
     u32 = lambda v: GGUFValue(ValueType.UINT32, v)  # noqa: E731
     f32 = lambda v: GGUFValue(ValueType.FLOAT32, v)  # noqa: E731
-    meta = {
-        "general.architecture": "llama",
-        "general.name": "qllama tiny synthetic llama",
-        "llama.block_count": u32(cfg.n_layer),
-        "llama.context_length": u32(cfg.n_ctx),
-        "llama.embedding_length": u32(cfg.n_embd),
-        "llama.feed_forward_length": u32(cfg.n_ff),
-        "llama.attention.head_count": u32(cfg.n_head),
-        "llama.attention.head_count_kv": u32(cfg.n_head_kv),
-        "llama.rope.freq_base": f32(cfg.rope_base),
-        "llama.attention.layer_norm_rms_epsilon": f32(cfg.eps),
-        "llama.rope.dimension_count": u32(cfg.n_embd // cfg.n_head),
-        "llama.vocab_size": u32(n_vocab),
-        **vocab_meta,
+    a = cfg.arch
+    head_dim = cfg.head_dim or cfg.n_embd // cfg.n_head
+    meta: dict[str, Any] = {
+        "general.architecture": a,
+        "general.name": f"qllama tiny synthetic {a}",
+        f"{a}.block_count": u32(cfg.n_layer),
+        f"{a}.context_length": u32(cfg.n_ctx),
+        f"{a}.embedding_length": u32(cfg.n_embd),
+        f"{a}.feed_forward_length": u32(cfg.n_ff),
+        f"{a}.attention.head_count": u32(cfg.n_head),
+        f"{a}.attention.head_count_kv": u32(cfg.n_head_kv),
+        f"{a}.rope.freq_base": f32(cfg.rope_base),
+        f"{a}.attention.layer_norm_rms_epsilon": f32(cfg.eps),
+        f"{a}.rope.dimension_count": u32(cfg.n_rot or head_dim),
+        f"{a}.vocab_size": u32(n_vocab),
     }
-    for k, v in meta.items():
+    if cfg.head_dim:
+        meta[f"{a}.attention.key_length"] = u32(cfg.head_dim)
+        meta[f"{a}.attention.value_length"] = u32(cfg.head_dim)
+    if cfg.sliding_window:
+        meta[f"{a}.attention.sliding_window"] = u32(cfg.sliding_window)
+    if architecture(a).granite_scales:
+        meta[f"{a}.logit_scale"] = f32(2.0)
+    meta |= {f"{a}.{k}": v for k, v in cfg.extra_keys}
+    for k, v in {**meta, **vocab_meta}.items():
         w.add(k, v)
     for name, shape in tensor_shapes(cfg, n_vocab).items():
-        if len(shape) == 1:  # norms: near 1, as trained models have them
-            w.add_tensor(
-                name, (1 + 0.1 * rng.standard_normal(shape)).astype(np.float32), GGMLType.F32
-            )
+        if len(shape) == 1:
+            w.add_tensor(name, _vector(name, shape, rng), GGMLType.F32)
             continue
         x = (cfg.scale * rng.standard_normal(shape)).astype(np.float32)
         w.add_tensor(name, quants.quantize(x, cfg.weight_type), cfg.weight_type, shape)
     w.write(path)
+
+
+def _vector(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    """A 1-D tensor: norms near 1 (as trained models have them), biases near 0, RoPE
+    factors between 1 and 8 (as Llama 3.1's)."""
+    if name == "rope_freqs.weight":
+        return np.linspace(1.0, 8.0, shape[0], dtype=np.float32)
+    if name.endswith(".bias"):
+        return (0.1 * rng.standard_normal(shape)).astype(np.float32)
+    return (1 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+
+
+def write_tiny_llama(
+    path: str | os.PathLike[str], cfg: TinyConfig = TinyConfig(), *, seed: int = 0
+) -> None:
+    """Write a random tiny GGUF (a llama unless ``cfg.arch`` says otherwise) to ``path``."""
+    write_tiny(path, cfg, seed=seed)

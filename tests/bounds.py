@@ -20,6 +20,9 @@ another. Each tolerance here is a bound, named where it is defined:
   likely than 1e-12 per reduction. This is a model, not a proof: it is the bound a port author
   would derive, and it leaves room for a real bug to show (a wrong rotation, a missing norm or a
   stale cache entry moves logits by O(1) of their scale, not by 1e-5).
+* ``half_bound``: values stored in float16 (a half KV cache; Q and the softmax rounded for the
+  attention products) are each within u16 = 2^-11 of their float32 value, so each such product
+  is within u16 sum|terms| of the float32 one: four roundings per block, in quadrature.
 * ``q8_flip_bound``: under the CPU arithmetic an activation is rounded to an integer of a Q8
   block. A rounding difference of a few ulps can move one such integer by one step d =
   amax / 127 of its block, so two orders may differ by up to one step per element; relative to
@@ -35,6 +38,7 @@ from typing import Any
 import numpy as np
 
 U32 = 2.0**-24  # unit roundoff of float32 (round to nearest)
+U16 = 2.0**-11  # unit roundoff of float16
 LAMBDA = 8.0  # Higham-Mary confidence: P(a reduction exceeds its bound) < 2 exp(-32)
 Q8_STEP = 1.0 / 127.0  # one step of a Q8 activation, relative to its block's max |x|
 
@@ -75,3 +79,16 @@ def q8_flip_bound(n_layer: int, scale: float) -> float:
     """How far two CPU-arithmetic forward passes may differ when their float parts are summed
     in different orders: one Q8 step per stage, in quadrature, relative to ``scale``."""
     return 2 * Q8_STEP * math.sqrt(stages(n_layer)) * scale
+
+
+def half_bound(n_layer: int, scale: float) -> float:
+    """How far a forward pass with float16 K, V, Q and softmax may be from the float32 one."""
+    return 2 * LAMBDA * math.sqrt(4 * n_layer) * U16 * scale
+
+
+def agreeing_steps(margins: Any, bound: float) -> int:
+    """How many leading greedy steps two runs must agree on: those before the first step whose
+    top-1 minus top-2 margin is within ``bound`` (a near tie that rounding may break either
+    way; after it, the two runs may follow different paths)."""
+    close = np.flatnonzero(np.asarray(margins) <= bound)
+    return int(close[0]) if close.size else len(margins)

@@ -72,3 +72,22 @@ def open_files() -> Callable[[Path], int]:
         return n
 
     return count
+
+
+@pytest.fixture(scope="session")
+def tiny_variants(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One random tiny llama (256 wide, grouped-query attention 8:2), written from the same
+    values as F32, Q8_0 and Q4_K, and untied (a separate output) as F32 and Q8_0."""
+    from qllama.synthetic import TinyConfig, write_tiny_llama
+
+    folder = tmp_path_factory.mktemp("variants")
+    paths = {}
+    for tied in (True, False):
+        for weight_type in ("F32", "Q8_0", "Q4_K") if tied else ("F32", "Q8_0"):
+            key = weight_type if tied else f"untied-{weight_type}"
+            paths[key] = folder / f"{key}.gguf"
+            cfg = TinyConfig(
+                n_embd=256, n_ff=512, n_head=8, n_head_kv=2, tied=tied, weight_type=weight_type
+            )
+            write_tiny_llama(paths[key], cfg)
+    return paths

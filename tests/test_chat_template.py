@@ -344,8 +344,8 @@ HOSTILE = [
     ("include", "{% include 'x' %}", "no loader"),
     # resource exhaustion: refused within the budget
     ("range-1e9", "{% for i in range(10**9) %}{% endfor %}", "range of 1000000000 items"),
-    ("nested-range", "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "step budget"),  # noqa: E501
-    ("nested-list", "{% set l = range(100000)|list %}{% for a in l %}{% for b in l %}{% endfor %}{% endfor %}", "step budget"),  # noqa: E501
+    ("nested-range", "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "step budget|time budget"),  # noqa: E501
+    ("nested-list", "{% set l = range(100000)|list %}{% for a in l %}{% for b in l %}{% endfor %}{% endfor %}", "step budget|time budget"),  # noqa: E501
     ("string-repetition", "{{ 'a' * 10**10 }}", "repetition could build a value of weight 10000000000"),  # noqa: E501
     ("string-repetition-2", "{% set x = 'a' * 1000000 %}{{ x * 1000 }}", "repetition"),
     ("list-repetition", "{{ [1, 2] * 10**9 }}", "repetition"),
@@ -362,8 +362,9 @@ HOSTILE = [
     ("ljust", "{{ 'a'.ljust(1000000000) }}", "ljust"),
     ("replace", "{% set x = 'a' * 100000 %}{{ x.replace('a', 'b' * 100000) }}", "replace"),
     ("replace-filter", "{% set x = 'a' * 100000 %}{{ x|replace('', 'b' * 1000) }}", "replace"),
-    ("join-filter", "{{ range(100000)|map('string')|join('x' * 100000) }}", "join"),
-    ("join-method", "{{ ('x' * 100000).join(range(100000)|map('string')) }}", "join"),
+    # small inputs, a large product: the guard, not the time budget, must end these
+    ("join-filter", "{{ range(1000)|map('string')|join('x' * 10000) }}", "join"),
+    ("join-method", "{{ ('x' * 10000).join(range(1000)|map('string')) }}", "join"),
     ("printf-width", "{{ '%*s' % (10**9, 'a') }}", "% formatting"),
     ("printf-fields", "{{ ('%1000000s' * 1000) % ((1,) * 1000) }}", "% formatting"),
     ("format-width", "{{ '{:>1000000000}'.format('a') }}", "format"),
@@ -390,7 +391,8 @@ HOSTILE = [
     ("template", "message"), [h[1:] for h in HOSTILE], ids=[h[0] for h in HOSTILE]
 )
 def test_hostile_template_is_refused_quickly(template: str, message: str) -> None:
-    # the budgets (steps, sizes, 2 s of wall clock) end it; how fast is a benchmark's business
+    # the budgets (steps, sizes, 2 s of wall clock) end it; how fast is a benchmark's business,
+    # so where a loaded machine may reach the time budget before the step budget, either counts
     with pytest.raises(ChatTemplateError, match=message):
         render_chat(template, STUDY_MESSAGES)
     assert render_chat(CHAT_TEMPLATE, STUDY_MESSAGES).endswith("assistant\n")  # still fine

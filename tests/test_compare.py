@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from bounds import forward_bound, q8_flip_bound
 
 import qllama
 from qllama import compare
@@ -20,12 +21,22 @@ def models(tmp_path_factory):
     return ref, ref_model, qllama.load(path, backend="numpy")  # the CPU arithmetic
 
 
-def test_a_model_against_its_own_reference_agrees_exactly(models):
+def bound(model, logits, *, q8: bool = False) -> float:
+    """What summing in another order may change (tests/bounds.py)."""
+    c, scale = model.config, float(np.abs(logits).max())
+    if q8:
+        return q8_flip_bound(c.n_layer, scale)
+    return forward_bound(c.n_layer, max(c.n_embd, c.n_ff, c.n_ctx), scale)
+
+
+def test_a_model_against_its_own_reference_agrees(models):
     ref, ref_model, _ = models
     tf = compare.teacher_forcing(ref_model, ref, mode="batched")
-    assert tf.max_abs.max() < 1e-5 and tf.flipped == []
+    tol = bound(ref_model, ref.logits)  # one pass over one token fewer: another BLAS blocking
+    assert tf.max_abs.max() <= tol
+    assert all(tf.ref_margin[s] <= tol for s in tf.flipped)  # flips only at ties
     free = compare.free_generation(ref_model, ref)
-    assert free.fork is None
+    assert free.fork is None or tf.ref_margin[free.fork] <= tol
 
 
 def test_steps_and_batched_agree(models):
@@ -33,7 +44,9 @@ def test_steps_and_batched_agree(models):
     steps = compare.teacher_forcing(cpu, ref, mode="steps")
     batched = compare.teacher_forcing(cpu, ref, mode="batched")
     assert steps.max_abs.shape == (len(ref.continuation),)
-    np.testing.assert_allclose(steps.logits, batched.logits, atol=1e-4)
+    # the CPU arithmetic: another chunking may flip Q8 roundings (bounds.q8_flip_bound)
+    tol = bound(cpu, batched.logits, q8=True)
+    np.testing.assert_allclose(steps.logits, batched.logits, rtol=0, atol=tol)
 
 
 def test_free_generation_forks_at_the_first_flip(models):

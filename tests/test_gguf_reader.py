@@ -326,11 +326,11 @@ def test_C22_unknown_tensor_type(code):
 def test_C22_valid_but_unsupported_type_reads_then_refuses():
     from qllama import quants
 
-    f = parse(one_tensor([256], ggml_type=16, data=b"\0" * 66))  # IQ2_XXS
+    f = parse(one_tensor([256], ggml_type=28, data=b"\0" * 2048))  # F64
     t = f.tensor("t")
-    assert t.ggml_type.name == "IQ2_XXS" and t.nbytes == 66
+    assert t.ggml_type.name == "F64" and t.nbytes == 2048
     with pytest.raises(
-        errors.UnsupportedTensorTypeError, match="IQ2_XXS is valid but qllama does not support it"
+        errors.UnsupportedTensorTypeError, match="F64 is valid but qllama does not support it"
     ):
         quants.dequantize(f.tensor_data("t"), t.ggml_type, t.shape)
 

@@ -79,7 +79,8 @@ def test_every_tensor_type_roundtrips(tmp_path):
     stored = {}
     for name in quants.supported():
         x = rng.standard_normal((3, 512), dtype=np.float32)
-        stored[name] = quants.quantize(x, name)
+        needs = quants.get(name).imatrix_use == "required"
+        stored[name] = quants.quantize(x, name, imatrix=np.ones(512, np.float32) if needs else None)
         w.add_tensor(f"w.{name}", stored[name], name, (3, 512))
     w.add_tensor("zero", np.zeros((0, 4), np.float32), "F32")
     w.write(tmp_path / "all.gguf")

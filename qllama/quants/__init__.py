@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from qllama.array_api import namespace
-from qllama.errors import TensorShapeError, UnsupportedTensorTypeError
+from qllama.errors import ImatrixError, TensorShapeError, UnsupportedTensorTypeError
 from qllama.ggml_types import GGMLType
 
 # Importing a type's module registers its class.
@@ -28,6 +28,13 @@ from qllama.quants import (  # noqa: F401
     bf16,
     f16,
     f32,
+    iq1_m,
+    iq1_s,
+    iq2_s,
+    iq2_xs,
+    iq2_xxs,
+    iq3_s,
+    iq3_xxs,
     q2_k,
     q3_k,
     q4_0,
@@ -84,12 +91,21 @@ def _rows(x: np.ndarray) -> np.ndarray:
     return x.reshape(-1, x.shape[-1])
 
 
-def quantize(x: Any, qtype: str | int | GGMLType, *, rounding: Rounding = "ref") -> np.ndarray:
+def quantize(
+    x: Any,
+    qtype: str | int | GGMLType,
+    *,
+    rounding: Rounding = "ref",
+    imatrix: Any = None,
+) -> np.ndarray:
     """Quantize float rows to GGML blocks, bit-exact with ``ggml_quantize_chunk``.
 
     ``x`` has shape ``(..., n)``, rows along the last axis; ``n`` must be a multiple of the
     type's block size. Returns uint8 of shape ``(rows, row_bytes)``. ``rounding="simd"``
     selects the tie rounding of ggml's AVX2/NEON activation quantizers where it differs.
+    ``imatrix``: the importance of each of the ``n`` columns (``(n,)`` float32, the same for
+    every row, as llama-quantize passes it), for the types that use one
+    (``quants.get(qtype).imatrix_use``); a type that requires one refuses to go without.
     """
     cls = get(qtype)
     rows = _rows(np.asarray(x, dtype=np.float32))
@@ -99,13 +115,45 @@ def quantize(x: Any, qtype: str | int | GGMLType, *, rounding: Rounding = "ref")
             f"row length {n} is not a multiple of the {cls.ggml_type.name} block size "
             f"{cls.block_size}"
         )
+    qw = _imatrix(imatrix, cls, n)
     blocks = rows.reshape(-1, cls.block_size)
     step = max(1, _CHUNK_ELEMENTS // cls.block_size)
     out = np.empty((blocks.shape[0], cls.type_size), dtype=np.uint8)
+    per_row = n // cls.block_size
     for start in range(0, blocks.shape[0], step):
         chunk = np.ascontiguousarray(blocks[start : start + step])
-        out[start : start + step] = cls.quantize_blocks(chunk, rounding=rounding)
+        if qw is None:
+            out[start : start + step] = cls.quantize_blocks(chunk, rounding=rounding)
+        else:
+            cls._check_rounding(rounding)
+            # block b of the flattened rows is block b % per_row of its row
+            weights = qw[np.arange(start, start + chunk.shape[0]) % per_row]
+            out[start : start + step] = cls.quantize_blocks_weighted(chunk, weights)
     return out.reshape(rows.shape[0], n // cls.block_size * cls.type_size)
+
+
+def _imatrix(imatrix: Any, cls: type[QuantType], n: int) -> np.ndarray | None:
+    """The checked importance matrix as ``(n // block_size, block_size)`` float32, or None
+    when there is none or the type ignores it."""
+    name = cls.ggml_type.name
+    if imatrix is None:
+        if cls.imatrix_use == "required":
+            raise ImatrixError(
+                f"{name} needs an importance matrix (ggml aborts without one); pass imatrix="
+            )
+        return None
+    if cls.imatrix_use == "none":
+        raise ImatrixError(f"qllama cannot quantize {name} with an importance matrix")
+    if cls.imatrix_use == "ignored":
+        return None
+    qw = np.asarray(imatrix, dtype=np.float32)
+    if qw.shape != (n,):
+        raise ImatrixError(f"the importance matrix has shape {qw.shape}; {name} rows need ({n},)")
+    if not np.all(np.isfinite(qw)):
+        raise ImatrixError("the importance matrix has NaN or infinite values")
+    if np.any(qw < 0):  # a mean of squares; ggml's searches take square roots of weights
+        raise ImatrixError("the importance matrix has negative values")
+    return qw.reshape(-1, cls.block_size)
 
 
 def _blocks(data: Any, cls: type[QuantType], shape: Sequence[int]) -> np.ndarray:

@@ -13,6 +13,11 @@ from qllama.ggml_types import GGMLType
 # (quantize_row_*_ref), "simd" is what its AVX2 / NEON builds do.
 Rounding = Literal["ref", "simd"]
 
+# What ggml_quantize_chunk does with an importance matrix for a type, as far as qllama
+# implements it: "none" (qllama has no weighted quantizer for the type: one is refused),
+# "optional", "required" (ggml aborts without one), "ignored" (quantized as without one).
+ImatrixUse = Literal["none", "optional", "required", "ignored"]
+
 Fields = dict[str, Any]  # named field arrays of a batch of blocks, numpy or any xp
 
 REGISTRY: dict[str, type[QuantType]] = {}
@@ -48,6 +53,11 @@ class IntegerForm:
     lanes: int = 1
     # Q4_0's generic dot product scales as (sumi*d)*y.d, every other as (d*y.d)*sumi.
     sumi_first: bool = False
+    # The IQ1 formats' integers are eight times ggml's (their 1/8 offsets made whole): it
+    # scales each block's integer sum by this, (d*y.d)*(isum*isum_scale), exact in float32.
+    isum_scale: float = 1.0
+    # IQ2 and IQ3_XXS scale the row's float sum once at the end: row_scale * sumf.
+    row_scale: float = 1.0
 
     @property
     def sub_size(self) -> int:
@@ -72,6 +82,8 @@ class QuantType:
       numpy fields -> :class:`IntegerForm`, what the CPU arithmetic multiplies.
     * ``quantize_blocks(x)``: ``(n_blocks, block_size)`` float32 -> bytes, bit-exact with
       ggml's reference quantizer (``ggml_quantize_chunk`` without importance matrix).
+    * ``quantize_blocks_weighted(x, qw)`` (types whose ``imatrix_use`` is "optional" or
+      "required"): the same with an importance matrix, ``qw`` the importance of each value.
     """
 
     ggml_type: ClassVar[GGMLType]
@@ -79,6 +91,7 @@ class QuantType:
     type_size: ClassVar[int]  # bytes per block
     vec_dot_type: ClassVar[str]  # the type ggml's CPU quantizes activations to for this weight
     roundings: ClassVar[tuple[str, ...]] = ("ref",)  # tie roundings quantize_blocks offers
+    imatrix_use: ClassVar[ImatrixUse] = "none"  # see ImatrixUse
 
     def __init_subclass__(cls, *, ggml_type: GGMLType, vec_dot_type: str, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -108,6 +121,12 @@ class QuantType:
     @classmethod
     def quantize_blocks(cls, x: np.ndarray, *, rounding: Rounding = "ref") -> np.ndarray:
         raise NotImplementedError(f"{cls.ggml_type.name} has no quantizer")
+
+    @classmethod
+    def quantize_blocks_weighted(cls, x: np.ndarray, qw: np.ndarray) -> np.ndarray:
+        """``(n_blocks, block_size)`` float32 and the importance of each value (same shape)
+        -> bytes, bit-exact with ``ggml_quantize_chunk`` given that importance matrix."""
+        raise NotImplementedError(f"{cls.ggml_type.name} has no quantizer with an imatrix")
 
     @classmethod
     def _check_rounding(cls, rounding: str) -> None:

@@ -1,0 +1,137 @@
+"""Attribution: groups of tensors, each variant the load it claims to be, the summary, and
+``qllama attribute``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import qllama
+from qllama.attribution import Measure, attribute, groups
+from qllama.cli import main
+from qllama.compare import Reference, reference_from_model
+from qllama.errors import QllamaError
+
+PROMPT = [1, 40, 77, 200, 5]
+NEW = 12
+CLASSES = ["attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_variants) -> Reference:
+    """The F32 file's greedy continuation and logits (dequantize-all, numpy)."""
+    f32 = qllama.load(tiny_variants["F32"], dequantize_all=True)
+    return reference_from_model(f32, PROMPT, max_new_tokens=NEW)
+
+
+def names(n_layer: int, *, tied: bool) -> list[str]:
+    out = ["token_embd.weight"]
+    for i in range(n_layer):
+        out += [f"blk.{i}.{c}.weight" for c in CLASSES]
+    return out if tied else [*out, "output.weight"]
+
+
+def test_groups():
+    tied = groups(names(2, tied=True), "class", tied=True, kind="weights")
+    assert list(tied) == ["output", *CLASSES]
+    assert tied["output"] == ["token_embd.weight"]
+    assert tied["ffn_down"] == ["blk.0.ffn_down.weight", "blk.1.ffn_down.weight"]
+    untied = groups(names(2, tied=False), "class", tied=False, kind="weights")
+    assert untied["token_embd"] == ["token_embd.weight"] and untied["output"] == ["output.weight"]
+    # a lookup has no activations to quantize
+    assert "token_embd" not in groups(names(2, tied=False), "class", tied=False, kind="activations")
+    layers = groups(names(2, tied=True), "layer", tied=True, kind="weights")
+    assert list(layers) == ["output", "blk.0", "blk.1"] and len(layers["blk.1"]) == 7
+    each = groups(names(2, tied=True), "tensor", tied=True, kind="weights")
+    assert list(each) == names(2, tied=True)
+    with pytest.raises(QllamaError, match="attribution by 'head'"):
+        groups(names(2, tied=True), "head", tied=True, kind="weights")
+
+
+def test_weight_attribution_variants_are_what_they_claim(tiny_variants, reference):
+    path, f32 = tiny_variants["Q8_0"], tiny_variants["F32"]
+    result = attribute(path, reference, kind="weights", f32_path=f32)
+    assert [p.group for p in result.parts] == ["output", *CLASSES]
+    # the baseline is the F32 file, the whole is the quantized file, both under f32 arithmetic
+    assert result.baseline == Measure.of(qllama.load(f32, activations="f32"), reference)
+    assert result.whole == Measure.of(qllama.load(path, activations="f32"), reference)
+    # a part: that class's weights from the quantized file, the rest F32
+    part = next(p for p in result.parts if p.group == "ffn_down")
+    alone = qllama.load(f32, activations="f32", weights_from={"blk.*.ffn_down.weight": path})
+    assert part.measure == Measure.of(alone, reference)
+    assert result.whole.mean_kld > result.baseline.mean_kld
+
+
+def test_activation_attribution_variants_are_what_they_claim(tiny_variants, reference):
+    path = tiny_variants["Q8_0"]
+    result = attribute(path, reference, kind="activations", by="layer")
+    assert [p.group for p in result.parts] == ["output", "blk.0", "blk.1"]
+    assert result.baseline == Measure.of(qllama.load(path, activations="f32"), reference)
+    assert result.whole == Measure.of(qllama.load(path), reference)  # the CPU arithmetic
+    part = next(p for p in result.parts if p.group == "blk.1")
+    alone = qllama.load(path, arithmetic={"blk.1.*": "q8", "*": "f32"})
+    assert part.measure == Measure.of(alone, reference)
+
+
+def test_summary_and_numbers(tiny_variants, reference):
+    calls = []
+    result = attribute(
+        tiny_variants["Q4_K"],
+        reference,
+        f32_path=tiny_variants["F32"],
+        progress=lambda done, total, label: calls.append((done, total, label)),
+    )
+    assert calls[0] == (0, 10, "baseline") and calls[-1] == (10, 10, "done")
+    doc = json.loads(json.dumps(result.to_dict()))  # plain numbers only
+    excess = [p["excess_mean_kld"] for p in doc["parts"]]
+    assert excess == sorted(excess, reverse=True)  # largest contribution first
+    assert doc["sum_of_parts"]["mean_kld"] == pytest.approx(sum(excess))
+    assert doc["whole_excess"]["mean_kld"] == pytest.approx(
+        doc["whole"]["mean_kld"] - doc["baseline"]["mean_kld"]
+    )
+    text = result.format()
+    lines = text.splitlines()
+    assert "the file's weights for one class at a time" in lines[0]
+    assert lines[2].split()[0] == doc["parts"][0]["group"]
+    assert "sum of the parts" in text and "whole (all on)" in text and "baseline" in text
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"kind": "noise"}, "attribution kind 'noise'"),
+        ({"kind": "weights"}, "needs the F32 file"),
+        ({"kind": "activations", "arithmetic": "q8"}, "must differ from q8"),
+    ],
+)
+def test_bad_requests(tiny_variants, reference, kwargs, message):
+    with pytest.raises(QllamaError, match=message):
+        attribute(tiny_variants["Q8_0"], reference, **kwargs)
+
+
+def test_a_reference_without_a_continuation_is_refused(tiny_variants, reference):
+    bare = Reference(PROMPT, len(PROMPT), reference.logits[: len(PROMPT)])
+    with pytest.raises(QllamaError, match="no continuation"):
+        attribute(tiny_variants["Q8_0"], bare, kind="activations")
+
+
+def test_attribute_command(tiny_variants, reference, tmp_path, capsys):
+    reference.save(str(tmp_path / "ref.npz"))
+    out = tmp_path / "a.json"
+    argv = [
+        "attribute",
+        str(tiny_variants["untied-Q8_0"]),
+        "--reference",
+        str(tmp_path / "ref.npz"),
+    ]
+    # the untied file against the tied file's reference: different models, the same shapes
+    assert main([*argv, "--kind", "activations", "--by", "tensor", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "q8 activations for one tensor at a time" in text and "output.weight" in text
+    doc = json.loads(out.read_text())
+    assert doc["by"] == "tensor" and len(doc["parts"]) == 1 + 2 * 7  # no token_embd
+    # weights need the F32 file: with an .npz reference it must be named
+    assert main([*argv, "--kind", "weights"]) == 1
+    assert "needs the F32 file" in capsys.readouterr().err
+    assert main([*argv, "--kind", "weights", "--f32", str(tiny_variants["untied-F32"])]) == 0

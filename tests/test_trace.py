@@ -1,0 +1,192 @@
+"""The layer trace: errors per point against a reference, the F32 control's band, the report,
+and ``qllama trace``."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import numpy as np
+import pytest
+from bounds import forward_bound
+
+import qllama
+from qllama.cli import main
+from qllama.errors import BackendError, QllamaError
+from qllama.observe import record, residual_names
+from qllama.trace import (
+    BAND_FLOOR,
+    PointErrors,
+    SettingTrace,
+    layer_trace,
+    positions_from_text,
+)
+
+IDS = [1, 40, 77, 200, 5, 260, 99, 3]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_variants):
+    """The F32 file's values in qllama's dequantize-all (a stand-in for transformers: the
+    control under dequantize-all is then exact)."""
+    return record(qllama.load(tiny_variants["F32"], dequantize_all=True), IDS, qkv=True)
+
+
+def test_point_errors():
+    r = np.array([[3.0, 4.0]])
+    e = PointErrors.of(np.array([[3.0, 4.5]]), r)
+    assert e.rel_l2 == pytest.approx(0.1) and e.max_abs == pytest.approx(0.5)
+    assert e.cos == pytest.approx((9 + 18) / (5 * np.hypot(3, 4.5)))
+    assert e.median_rel_l2 == pytest.approx(0.1)
+    assert PointErrors.of(r, r) == PointErrors(0.0, 1.0, 0.0, 0.0)
+    # one position with a huge norm dominates the whole, not the median over positions
+    big = np.array([[300.0, 400.0], [1.0, 0.0], [0.0, 1.0]])
+    e = PointErrors.of(big + np.array([[0.5, 0], [0.1, 0], [0, 0.1]]), big)
+    assert e.rel_l2 < 0.01 and e.median_rel_l2 == pytest.approx(0.1)
+
+
+def test_band_logic():
+    names = residual_names(2)  # embedding, blk.0.out, blk.1.out, logits
+
+    def errors(*rel_l2: float) -> dict[str, PointErrors]:
+        return {n: PointErrors(e, 1, 0, e) for n, e in zip(names, rel_l2, strict=True)}
+
+    control = errors(0, 1e-6, 2e-6, 2e-6)
+    within = errors(5e-7, 9e-6, 1.9e-5, 1e-5)
+    st = SettingTrace("cpu", within, control, names, band_factor=10)
+    assert st.band_edge("embedding") == 10 * BAND_FLOOR  # the control is exact there
+    assert st.leaves_band is None
+    later = {**within, "blk.1.out": PointErrors(2.1e-5, 1, 0, 2.1e-5)}
+    assert SettingTrace("cpu", later, control, names, band_factor=10).leaves_band == "blk.1.out"
+
+
+def test_the_f32_file_never_leaves_its_own_band(tiny_variants, reference):
+    path = tiny_variants["F32"]
+    report = layer_trace(path, path, IDS, settings=["dequantize-all", "cpu"], reference=reference)
+    for st in report.settings.values():
+        assert st.leaves_band is None
+    exact = report.settings["dequantize-all"]
+    assert all(e.rel_l2 == 0 and e.max_abs == 0 for e in exact.errors.values())
+
+
+def test_a_quantized_embedding_leaves_the_band_at_once(tiny_variants, reference):
+    report = layer_trace(
+        tiny_variants["Q8_0"], tiny_variants["F32"], IDS, settings=["cpu"], reference=reference
+    )
+    st = report.settings["cpu"]
+    assert st.leaves_band == "embedding"
+    assert st.errors["embedding"].rel_l2 > 0 and st.control["embedding"].rel_l2 == 0
+    assert st.errors["logits"].rel_l2 > st.errors["embedding"].rel_l2  # it grows
+
+
+def test_the_error_enters_where_the_quantized_tensors_start(tiny_variants, reference):
+    """With the embedding taken from the F32 file, nothing differs before block 0's products."""
+    report = layer_trace(
+        tiny_variants["Q8_0"],
+        tiny_variants["F32"],
+        IDS,
+        settings=["dequantize-all"],
+        reference=reference,
+        weights_from={"token_embd.weight": tiny_variants["F32"]},
+    )
+    st = report.settings["dequantize-all"]
+    assert st.errors["embedding"].rel_l2 == 0
+    assert st.leaves_band == "blk.0.out"
+
+
+def test_report_outputs(tiny_variants, reference, tmp_path):
+    report = layer_trace(
+        tiny_variants["Q8_0"],
+        tiny_variants["F32"],
+        IDS,
+        settings=["cpu", "f32"],
+        reference=reference,
+        qkv=True,
+    )
+    doc = json.loads(json.dumps(report.to_dict()))  # plain numbers only
+    cpu = doc["settings"]["cpu"]
+    assert cpu["leaves_band"] == "embedding" and cpu["arithmetic"] == "q8"
+    assert set(cpu["errors"]["blk.1.q"]) == {"rel_l2", "cos", "max_abs", "median_rel_l2"}
+    text = report.format()
+    assert "cpu: leaves the F32 control's band (10x its error) at embedding" in text
+    assert "q L2" in text and "logits" in text
+    report.plot(tmp_path / "trace.png")
+    assert (tmp_path / "trace.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_reference_mismatches_are_refused(tiny_variants, reference):
+    path = tiny_variants["Q8_0"]
+    with pytest.raises(BackendError, match="unknown setting 'cuda'"):
+        layer_trace(path, tiny_variants["F32"], IDS, settings=["cuda"], reference=reference)
+    no_qkv = record(qllama.load(tiny_variants["F32"]), IDS)
+    with pytest.raises(QllamaError, match="without Q/K/V"):
+        layer_trace(path, tiny_variants["F32"], IDS, qkv=True, reference=no_qkv)
+    with pytest.raises(QllamaError, match="of other tokens"):
+        layer_trace(path, tiny_variants["F32"], IDS[:-1], reference=reference)
+    with pytest.raises(QllamaError, match="of other positions"):
+        layer_trace(path, tiny_variants["F32"], IDS, positions=[0], reference=reference)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("all", None),
+        ("last", [9]),
+        ("prompt", [0, 1, 2, 3]),
+        ("new", [4, 5, 6, 7, 8, 9]),
+        ("0,5,-1", [0, 5, -1]),
+        ("2:4,8:", [2, 3, 8, 9]),
+        ("-2:", [8, 9]),
+    ],
+)
+def test_positions_from_text(text, expected):
+    assert positions_from_text(text, 10, 4) == expected
+
+
+@pytest.mark.parametrize("text", ["first", "1:x", "5:5", ""])
+def test_bad_positions_text(text):
+    with pytest.raises(QllamaError, match="--positions"):
+        positions_from_text(text, 10, 4)
+
+
+def test_no_new_positions_without_a_continuation():
+    with pytest.raises(QllamaError, match="no such positions"):
+        positions_from_text("new", 4, 4)
+
+
+def test_trace_command(tiny_variants, tmp_path, capsys):
+    if importlib.util.find_spec("transformers") is None:
+        pytest.skip("transformers is not installed")
+    argv = [
+        "trace",
+        str(tiny_variants["Q8_0"]),
+        "--reference",
+        str(tiny_variants["F32"]),
+        "--prompt",
+        "the cat sat on the mat",
+        "--max-new-tokens",
+        "3",
+        "--positions",
+        "new",
+        "--setting",
+        "cpu",
+        "--setting",
+        "dequantize-all",
+        "--plot",
+        str(tmp_path / "t.png"),
+        "--json",
+        str(tmp_path / "t.json"),
+    ]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "3 positions compared" in out
+    assert "cpu: leaves the F32 control's band" in out and "dequantize-all:" in out
+    doc = json.loads((tmp_path / "t.json").read_text())
+    n = len(doc["tokens"])
+    assert doc["positions"] == [n - 3, n - 2, n - 1]
+    # the control (qllama on the F32 file) agrees with transformers to float32 rounding
+    control = doc["settings"]["dequantize-all"]["control"]
+    c = qllama.load(tiny_variants["F32"]).config
+    bound = forward_bound(c.n_layer, c.n_ff, 1.0)  # relative (tests/bounds.py)
+    assert max(e["rel_l2"] for e in control.values()) < bound
+    assert (tmp_path / "t.png").exists()
