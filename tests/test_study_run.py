@@ -176,10 +176,11 @@ def q8_cpu_error_below(bound: float) -> Any:
     return finding
 
 
-def no_flips_to_test(view: View) -> list[Check]:
-    """A check about flips, on a run without flips: nothing to test, not a pass."""
-    flips = view.cell("Q8_0", "cpu")["teacher_forcing"]["flips"]  # type: ignore[index]
-    return [Check("Q8_0-cpu", "flips", len(flips), "> 0", None if not flips else True)]
+def gpu_flips_to_test(view: View) -> list[Check]:
+    """A check about a setting this study does not have: nothing to test, not a pass."""
+    c = view.cell("Q8_0", "gpu")
+    flips = None if c is None else len(c["teacher_forcing"]["flips"])
+    return [Check("Q8_0-gpu", "flips", flips, "> 0", None if flips is None else flips > 0)]
 
 
 def test_findings_hold_against_every_draw_and_fail_the_study(local_run, capsys):
@@ -187,14 +188,14 @@ def test_findings_hold_against_every_draw_and_fail_the_study(local_run, capsys):
     findings = (
         FindingSpec("holds", q8_cpu_error_below(10.0)),
         FindingSpec("seen", q8_cpu_error_below(0.0), asserted=False),
-        FindingSpec("empty", no_flips_to_test),
+        FindingSpec("empty", gpu_flips_to_test),
     )
     options = Options(results=folder / "results", report_only=True)
     assert run(replace(study, findings=findings), options) == 0
     out = capsys.readouterr().out
     assert "PASS holds: holds on 2/2 prompts" in out
     assert "SEEN seen: holds on 0/2 prompts; fails on raw, chat" in out
-    assert "nothing to test on" in out and "PASS empty: holds on 0/2" in out
+    assert "N/A empty: holds on 0/2 prompts; nothing to test on raw, chat" in out
 
     assert run(replace(study, findings=(FindingSpec("x", q8_cpu_error_below(0.0)),)), options) == 1
 

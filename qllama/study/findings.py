@@ -224,13 +224,13 @@ def evaluate(study: Study, data: Mapping[str, Any]) -> list[Outcome]:
 
 
 def summary_lines(outcomes: Iterable[Outcome]) -> list[str]:
-    """One line per finding (PASS, FAIL, or SEEN for one that is not asserted), and one per
-    failing check of an asserted finding."""
+    """One line per finding (PASS, FAIL, N/A where it had nothing to test on any prompt, or
+    SEEN for one that is not asserted), and one per failing check of an asserted finding."""
     lines = []
     for o in outcomes:
         n = len(o.checks)
         holds, fails, na = o.prompts("holds"), o.prompts("fails"), o.prompts("n/a")
-        tag = ("FAIL" if fails else "PASS") if o.asserted else "SEEN"
+        tag = ("FAIL" if fails else "PASS" if holds else "N/A") if o.asserted else "SEEN"
         text = f"{tag} {o.name}: holds on {len(holds)}/{n} prompts"
         if fails:
             text += f"; fails on {', '.join(fails)}"
