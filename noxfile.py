@@ -1,4 +1,4 @@
-"""Sessions: tests, lint, reference, experiments, peers, bench, fuzz, hf.
+"""Sessions: tests, lint, reference, experiments, study-peers, peers, bench, fuzz, hf.
 
 ``nox -s tests`` and ``nox -s experiments`` are what CI runs; ``nox -l`` lists everything.
 """
@@ -33,8 +33,9 @@ def tests(session: nox.Session) -> None:
     sys.path, so the tests exercise what `pip install .` gives.
     """
     session.install(TORCH, *REFERENCE)
-    # plot: the trace's figure; serve, hf, hf-eval and lm-eval: the server and adapter tests
-    session.install(".[dev,torch,jax,reference,fast,plot,serve,hf,hf-eval]", LM_EVAL)
+    # plot: the trace's figure; serve, hf, hf-eval and lm-eval: the server and adapter tests;
+    # dask: the study's cluster test
+    session.install(".[dev,torch,jax,reference,fast,plot,serve,hf,hf-eval,dask]", LM_EVAL)
     args = session.posargs or ["-m", "not slow"]
     session.run("pytest", *args)
 
@@ -55,20 +56,28 @@ def hf(session: nox.Session, transformers: str) -> None:
     session.run("pytest", *HF_TESTS, *args)
 
 
+SEED = "experiments/seed.toml"  # the seed study (docs/experiments.md)
+
+
 @nox.session
 def reference(session: nox.Session) -> None:
-    """The transformers f32 reference of the study, cached in results/ with its provenance."""
+    """The seed study's transformers f32 references (each prompt, and the recomputation of
+    the reference-avx2 draw), cached in results/references/ with their provenance."""
     session.install(TORCH, *REFERENCE)
     session.install("-e", ".[reference]")
-    session.run("python", "-m", "experiments.reference", *session.posargs)
+    session.run("qllama", "study", "run", SEED, "--references-only", *session.posargs)
 
 
 @nox.session(requires=["reference"])
 def experiments(session: nox.Session) -> None:
-    """The study: every cell of the matrix, docs/results.md, and the findings' assertions."""
+    """The seed study: every cell in local processes, docs/results.md, the findings asserted.
+
+    `-- --cells 'cpu-cache/*'` runs some cells, `-- --report-only` rebuilds the report,
+    `-- --executor dask --scheduler ADDRESS` runs on a cluster (docs/studies.md).
+    """
     session.install(TORCH)
     session.install("-e", ".[torch,jax,fast,plot]")
-    session.run("python", "-m", "experiments.run", *session.posargs)
+    session.run("qllama", "study", "run", SEED, "--docs", "docs", *session.posargs)
 
 
 # llama.cpp for the peer sessions: built from the llama-cpp-python sdist for the CPU it runs on
@@ -99,6 +108,17 @@ def peers(session: nox.Session) -> None:
     # the committed ggml vectors of the issue-11 types are what this ggml writes
     session.run("python", "tests/data/make_vectors.py", "--check")
     session.run("pytest", "tests/peers", f"--llama-bin={bin_dir}", *session.posargs)
+
+
+@nox.session(name="study-peers", requires=["reference"])
+def study_peers(session: nox.Session) -> None:
+    """The seed study with llama.cpp's own CPU run as one more draw (builds llama-cpp-python)."""
+    session.install(TORCH)
+    session.install("-e", ".[torch,jax,fast,plot]")
+    session.install(llama_cpp_wheel(session))
+    session.run(
+        "qllama", "study", "run", SEED, "--draw", "llama.cpp", "--docs", "docs", *session.posargs
+    )
 
 
 @nox.session

@@ -52,3 +52,9 @@ def cache_dir(explicit: str | os.PathLike[str] | None = None) -> Path:
     import platformdirs
 
     return Path(platformdirs.user_cache_dir("qllama"))
+
+
+def child_environment(extra: dict[str, str]) -> dict[str, str]:
+    """This process's environment with ``extra`` on top: for a child process that must start
+    with variables (a BLAS kernel choice, a thread count) set before anything is imported."""
+    return {**os.environ, **extra}

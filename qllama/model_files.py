@@ -19,6 +19,7 @@ import sys
 import tarfile
 import tempfile
 import zipfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -170,13 +171,20 @@ def variant(name: str, file_type: str, *, cache: str | os.PathLike[str] | None =
     """
     from qllama import __version__
     from qllama.file_quantizer import file_type as parse_file_type
-    from qllama.file_quantizer import quantize_file
 
     label = parse_file_type(file_type).label
     source = fetch(name, cache=cache) if label == "F32" else variant(name, "F32", cache=cache)
     path = cached_path(name, cache).parent / "variants" / f"{name}.{label}.gguf"
-    marker = path.with_name(path.name + ".built")
     stamp = {"source": str(source.name), "source_stamp": _stamp(source), "qllama": __version__}
+    return quantized_once(source, path, label, stamp)
+
+
+def quantized_once(source: Path, path: Path, label: str, stamp: Mapping[str, object]) -> Path:
+    """``source`` quantized to file type ``label`` at ``path``, unless the marker beside it
+    (``.built``) says it was built from the same ``stamp`` and the file is unchanged since."""
+    from qllama.file_quantizer import quantize_file
+
+    marker = path.with_name(path.name + ".built")
     try:
         if path.exists() and json.loads(marker.read_text()) == {**stamp, "stamp": _stamp(path)}:
             return path

@@ -1,0 +1,50 @@
+"""Studies as data: a declaration of files, arithmetics, prompts, a reference, measures,
+perturbations and findings, whose cells run anywhere and are cached by content.
+
+- :mod:`~qllama.study.declaration`: :class:`Study` and its parts; :func:`load_study` (TOML)
+- :mod:`~qllama.study.cells`: the cells of a study, their ids and content keys
+- :mod:`~qllama.study.measures`: the registry of measures (``register``)
+- :mod:`~qllama.study.executors`: local, process and Dask executors
+- :mod:`~qllama.study.runner`: :func:`run` (what ``qllama study run`` does)
+- :mod:`~qllama.study.findings` and :mod:`~qllama.study.report`: the findings and the report
+
+See docs/studies.md; experiments/seed.toml is the worked example.
+"""
+
+from __future__ import annotations
+
+from qllama.study.declaration import (
+    Compare,
+    Draw,
+    FindingSpec,
+    MeasureSpec,
+    Prompt,
+    ReferenceSpec,
+    Setting,
+    Study,
+    StudyError,
+    Variant,
+    load_study,
+)
+from qllama.study.findings import Check, View
+from qllama.study.measures import register
+from qllama.study.runner import Options, run
+
+__all__ = [
+    "Check",
+    "Compare",
+    "Draw",
+    "FindingSpec",
+    "MeasureSpec",
+    "Options",
+    "Prompt",
+    "ReferenceSpec",
+    "Setting",
+    "Study",
+    "StudyError",
+    "Variant",
+    "View",
+    "load_study",
+    "register",
+    "run",
+]

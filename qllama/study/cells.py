@@ -1,0 +1,143 @@
+"""Cells: the product of a study's declaration, each with a content key.
+
+A cell is one prompt, one variant, one setting and one draw (the base draw, or a
+perturbation). Its id reads ``prompt/variant-setting`` (``~draw`` for a perturbation), and
+``--cells`` patterns match it (``fnmatch``: ``'cpu-cache/Q8_0-*'``). Its key is the sha256 of
+everything its numbers depend on: the file's hash, the reference's content key, the engine,
+backend and options, the measures and their options, the thread count, the draw's
+environment, and qllama's version; names (of the prompt, the setting) are not in it, so
+renaming reruns nothing and changing a setting reruns exactly its cells.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from qllama.study.declaration import Draw, MeasureSpec, Setting, Study, StudyError
+from qllama.study.measures import get as get_measure
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One cell of a study (names only; :func:`plan` in the runner attaches files and keys)."""
+
+    prompt: str
+    variant: str
+    setting: str
+    draw: str = ""  # "" is the base draw
+
+    @property
+    def label(self) -> str:
+        """``variant-setting``: the cell within its prompt and draw."""
+        return f"{self.variant}-{self.setting}"
+
+    @property
+    def id(self) -> str:
+        return f"{self.prompt}/{self.label}" + (f"~{self.draw}" if self.draw else "")
+
+
+def applies(draw: Draw, variant: str, setting: str) -> bool:
+    """Whether ``draw`` reruns the cells of ``variant`` and ``setting``."""
+    return setting in draw.settings and (not draw.variants or variant in draw.variants)
+
+
+def product(study: Study) -> list[Cell]:
+    """Every cell, prompt by prompt: the base draw, then each draw that is switched on."""
+    out = []
+    draws = [d for d in study.draws if not d.optional]
+    for p in study.prompts:
+        for v in study.variants:
+            for s in study.settings:
+                if s.prompts and p.name not in s.prompts:
+                    continue
+                out.append(Cell(p.name, v.name, s.name))
+                out += [
+                    Cell(p.name, v.name, s.name, d.name)
+                    for d in draws
+                    if applies(d, v.name, s.name)
+                ]
+    return out
+
+
+def select(cells: Iterable[Cell], patterns: Sequence[str]) -> list[Cell]:
+    """The cells whose id matches one of ``patterns`` (all of them when there are none)."""
+    cells = list(cells)
+    if not patterns:
+        return cells
+    chosen = [c for c in cells if any(fnmatch.fnmatchcase(c.id, p) for p in patterns)]
+    if not chosen:
+        raise StudyError(f"no cell matches {', '.join(patterns)} (cells look like {cells[0].id})")
+    return chosen
+
+
+@dataclass(frozen=True)
+class Arithmetic:
+    """How a cell computes: the setting with its draw's changes applied."""
+
+    engine: str
+    backend: str
+    options: Mapping[str, Any] = field(default_factory=dict)
+    env: Mapping[str, str] = field(default_factory=dict)
+
+
+def arithmetic(setting: Setting, draw: Draw | None) -> Arithmetic:
+    """The setting as the draw runs it (another engine, more options, an environment)."""
+    if draw is None:
+        return Arithmetic(setting.engine, setting.backend, dict(setting.options))
+    return Arithmetic(
+        draw.engine or setting.engine,
+        setting.backend,
+        {**setting.options, **draw.options},
+        dict(draw.env),
+    )
+
+
+def compared(study: Study, cell: Cell) -> bool:
+    """Whether a ``compare`` pair names ``cell`` (``variant-setting`` or ``...~draw``)."""
+    name = cell.label + (f"~{cell.draw}" if cell.draw else "")
+    return any(
+        name in (c.a, c.b) and (not c.prompts or cell.prompt in c.prompts) for c in study.compare
+    )
+
+
+def measure_specs(study: Study, cell: Cell) -> tuple[MeasureSpec, ...]:
+    """The study's measures with their options resolved; teacher forcing keeps every step's
+    logits in the cells a ``compare`` pair names (others keep only the per-step numbers)."""
+    out = []
+    for spec in study.measures:
+        m = get_measure(spec.name)
+        options = m.options(spec.options)
+        if "logits" in m.defaults and compared(study, cell):
+            options["logits"] = True
+        out.append(replace(spec, options=options))
+    return tuple(out)
+
+
+def content_key(
+    *,
+    file_sha256: str,
+    reference_key: str,
+    how: Arithmetic,
+    measures: Sequence[MeasureSpec],
+    threads: int,
+) -> str:
+    """The cell's key: the sha256 of what its numbers depend on (16 hex digits shown)."""
+    from qllama import __version__
+
+    meta = {
+        "file_sha256": file_sha256,
+        "reference": reference_key,
+        "engine": how.engine,
+        "backend": how.backend,
+        "options": how.options,
+        "env": how.env,
+        "measures": [[m.name, m.options] for m in measures],
+        "threads": threads,
+        "qllama": __version__,
+    }
+    return hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()[:32]

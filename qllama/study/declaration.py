@@ -1,0 +1,461 @@
+"""A study as data: the model, its variants, the arithmetics, the prompts, the reference, the
+measures, the perturbations that give the noise band, and the findings.
+
+A :class:`Study` is read from a TOML file (:func:`load_study`) or built from these dataclasses
+in Python; both give the same objects, checked the same way. Nothing here runs a model: the
+cells are the product of the declaration (:mod:`qllama.study.cells`), and running them is the
+executors' job. docs/studies.md describes every field; experiments/seed.toml is the worked
+example.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from qllama.errors import QllamaError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+
+class StudyError(QllamaError):
+    """A study declaration is malformed, or a cell of it cannot be run as declared."""
+
+
+ENGINES = ("qllama", "llama.cpp")  # who computes a cell: qllama on a backend, or a peer
+REFERENCE_KINDS = ("transformers", "qllama", "saved")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One file of the study, built from the model source by qllama's own quantizer.
+
+    ``type`` is a file type (``F32``, ``Q8_0``, ``Q4_K_M``...; ``F32`` is the source
+    dequantized, every other type is quantized from that F32 file, as llama-quantize would) or
+    ``source`` (the source file as it is). ``imatrix`` names an importance-matrix file and
+    ``imatrix_corpus`` a text to compute one from; both are part of the variant's identity and
+    need the imatrix quantizer (issue 11) to build.
+    """
+
+    type: str
+    name: str = ""
+    imatrix: str | None = None
+    imatrix_corpus: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            object.__setattr__(self, "name", self.type)
+
+
+@dataclass(frozen=True)
+class Setting:
+    """An arithmetic: which engine computes the cell, on which backend, with which options.
+
+    ``prompts`` limits the setting to those prompts (an expensive extra column on the main
+    prompt only); empty means every prompt. ``memory_mb`` is what a Dask task of it declares
+    (default: estimated from the file's size).
+    """
+
+    name: str
+    backend: str = "numpy"
+    options: Mapping[str, Any] = field(default_factory=dict)
+    engine: str = "qllama"
+    about: str = ""
+    prompts: tuple[str, ...] = ()
+    memory_mb: int | None = None
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A prompt: a chat turn (``chat = true``: the file's template around ``text``, or
+    ``messages`` as they are) or raw text; the reference decodes at most ``max_new_tokens``."""
+
+    name: str
+    text: str = ""
+    messages: tuple[Mapping[str, str], ...] = ()
+    chat: bool = True
+    max_new_tokens: int = 300
+
+
+@dataclass(frozen=True)
+class ReferenceSpec:
+    """What the cells are compared with.
+
+    ``transformers``: transformers f32 (eager, CPU) reading ``variant`` (the F32 file),
+    greedy to the end of turn or ``max_new_tokens``, then the logits of every position.
+    ``qllama``: the same from qllama itself on ``variant`` with ``backend`` and ``options``
+    (default: numpy, every weight dequantized to f32). ``saved``: ``paths`` maps prompt names
+    to ``.npz`` files written by :meth:`qllama.compare.Reference.save`. ``threads`` (None: the
+    library's default) is part of the reference's provenance.
+    """
+
+    kind: str = "transformers"
+    variant: str = "F32"
+    backend: str = "numpy"
+    options: Mapping[str, Any] = field(default_factory=lambda: {"dequantize_all": True})
+    paths: Mapping[str, str] = field(default_factory=dict)
+    threads: int | None = None
+
+
+@dataclass(frozen=True)
+class Draw:
+    """A deliberate perturbation of summation order: one more draw of the cells it applies to.
+
+    The CPU arithmetic rounds every activation to 8 bits, so a float32 difference of one ulp
+    before the rounding (another BLAS kernel, another reduction order) can move an integer by
+    one step, and the logits by a few tenths. Each draw reruns the cells of ``settings`` (and
+    ``variants``; empty: all) with ``env`` set in a fresh process before anything is imported
+    (``OPENBLAS_CORETYPE`` picks the kernels of another CPU), with the reference's logits
+    recomputed under ``reference_env``, on another ``engine`` (llama.cpp: one more faithful
+    CPU arithmetic), or with extra backend ``options``. The spread over the draws is the
+    band each number of those cells is reported with; the findings must hold in every draw.
+    ``optional`` draws run only when asked for (``--draw NAME``).
+    """
+
+    name: str
+    settings: tuple[str, ...]
+    variants: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+    reference_env: Mapping[str, str] = field(default_factory=dict)
+    engine: str | None = None
+    options: Mapping[str, Any] = field(default_factory=dict)
+    optional: bool = False
+    about: str = ""
+
+
+@dataclass(frozen=True)
+class FindingSpec:
+    """A named predicate over one prompt's results (``check``: a callable, or its import path
+    ``"package.module:function"``). An asserted finding must hold on every prompt and in every
+    draw; one that is not asserted is reported with the prompts where it fails."""
+
+    name: str
+    check: str | Callable[..., Any]
+    asserted: bool = True
+    about: str = ""
+
+
+@dataclass(frozen=True)
+class MeasureSpec:
+    """A registered measure (:mod:`qllama.study.measures`) and its options."""
+
+    name: str
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Compare:
+    """Two cells (``variant-setting``, optionally ``~draw``) whose teacher-forced logits are
+    compared with each other in the report: the activation rounding alone is ``Q8_0-cpu``
+    against ``Q8_0-dequantize-all``. Both cells keep every step's logits (4 bytes times the
+    vocabulary per step), so ``prompts`` (empty: all) can limit the pair to a few prompts."""
+
+    a: str
+    b: str
+    prompts: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Study:
+    """A whole study. ``model`` is a name ``qllama fetch`` knows or a GGUF path (relative
+    paths are relative to the declaration's folder); ``threads`` is every cell's thread count
+    (BLAS, torch, numba), part of each cell's key since a thread count can change float order."""
+
+    name: str
+    model: str
+    variants: tuple[Variant, ...]
+    settings: tuple[Setting, ...]
+    prompts: tuple[Prompt, ...]
+    measures: tuple[MeasureSpec, ...]
+    reference: ReferenceSpec = field(default_factory=ReferenceSpec)
+    draws: tuple[Draw, ...] = ()
+    findings: tuple[FindingSpec, ...] = ()
+    cross: tuple[tuple[str, str], ...] = ()
+    compare: tuple[Compare, ...] = ()
+    threads: int = 1
+    title: str = ""
+    folder: Path = Path(".")
+
+    def __post_init__(self) -> None:
+        check(self)
+
+    def variant(self, name: str) -> Variant:
+        return _by_name(self.variants, name, "variant")
+
+    def setting(self, name: str) -> Setting:
+        return _by_name(self.settings, name, "setting")
+
+    def prompt(self, name: str) -> Prompt:
+        return _by_name(self.prompts, name, "prompt")
+
+    def draw(self, name: str) -> Draw:
+        return _by_name(self.draws, name, "draw")
+
+    def model_source(self) -> str | Path:
+        """The model as a known name, or the path of a GGUF file."""
+        from qllama.model_files import MODELS
+
+        if self.model in MODELS:
+            return self.model
+        path = Path(self.model)
+        return path if path.is_absolute() else self.folder / path
+
+
+def _by_name(items: Sequence[Any], name: str, what: str) -> Any:
+    for item in items:
+        if item.name == name:
+            return item
+    known = ", ".join(i.name for i in items) or "none"
+    raise StudyError(f"no {what} named {name!r} (declared: {known})")
+
+
+# --- checks ------------------------------------------------------------------------------------
+
+
+def _unique(items: Sequence[Any], what: str) -> None:
+    """Names are unique; those that make up cell ids hold no ``/``, ``~`` or space."""
+    seen: set[str] = set()
+    for item in items:
+        in_ids = what != "finding"
+        if not item.name or (in_ids and any(c in item.name for c in "/~ ")):
+            raise StudyError(f"{what} name {item.name!r} must be non-empty, without '/', '~', ' '")
+        if item.name in seen:
+            raise StudyError(f"two {what}s are named {item.name!r}")
+        seen.add(item.name)
+
+
+def check(study: Study) -> None:
+    """Refuse a declaration that cannot be run, naming the field."""
+    for what, items in (
+        ("variant", study.variants),
+        ("setting", study.settings),
+        ("prompt", study.prompts),
+        ("draw", study.draws),
+        ("finding", study.findings),
+    ):
+        if what in ("variant", "setting", "prompt") and not items:
+            raise StudyError(f"the study declares no {what}")
+        _unique(items, what)
+    if not study.measures:
+        raise StudyError("the study declares no measure")
+    _types(study)
+    if study.threads < 1:
+        raise StudyError(f"threads must be at least 1, not {study.threads}")
+    prompts = {p.name for p in study.prompts}
+    settings = {s.name for s in study.settings}
+    variants = {v.name for v in study.variants}
+    for p in study.prompts:
+        if bool(p.text) == bool(p.messages):
+            raise StudyError(f"prompt {p.name!r}: give either text or messages")
+        if p.messages and not p.chat:
+            raise StudyError(f"prompt {p.name!r}: messages need chat = true")
+        if p.max_new_tokens < 1:
+            raise StudyError(f"prompt {p.name!r}: max_new_tokens must be at least 1")
+    for s in study.settings:
+        if s.engine not in ENGINES:
+            raise StudyError(f"setting {s.name!r}: engine must be one of {ENGINES}")
+        _known(s.prompts, prompts, f"setting {s.name!r}", "prompt")
+    ref = study.reference
+    if ref.kind not in REFERENCE_KINDS:
+        raise StudyError(f"reference kind must be one of {REFERENCE_KINDS}, not {ref.kind!r}")
+    if ref.kind == "saved":
+        _known(tuple(ref.paths), prompts, "reference paths", "prompt")
+        missing = prompts - set(ref.paths)
+        if missing:
+            raise StudyError(f"a saved reference needs a path for every prompt: {sorted(missing)}")
+    elif ref.variant not in variants:
+        raise StudyError(f"reference variant {ref.variant!r} is not a declared variant")
+    for d in study.draws:
+        if not d.settings:
+            raise StudyError(f"draw {d.name!r} applies to no setting")
+        _known(d.settings, settings, f"draw {d.name!r}", "setting")
+        _known(d.variants, variants, f"draw {d.name!r}", "variant")
+        if d.engine is not None and d.engine not in ENGINES:
+            raise StudyError(f"draw {d.name!r}: engine must be one of {ENGINES}")
+        if d.reference_env and ref.kind == "saved":
+            raise StudyError(f"draw {d.name!r}: a saved reference cannot be recomputed")
+    for a, b in study.cross:
+        _known((a,), settings, "cross pair", "setting")
+        if b != "reference":
+            _known((b,), settings, "cross pair", "setting")
+    draws = {d.name for d in study.draws}
+    for c in study.compare:
+        _known(c.prompts, prompts, "compare pair", "prompt")
+        for side in (c.a, c.b):
+            label, _, draw = side.partition("~")
+            if not any(label == f"{v}-{s}" for v in variants for s in settings):
+                raise StudyError(f"compare names {side!r}, not a declared variant-setting")
+            _known((draw,) if draw else (), draws, f"compare {side!r}", "draw")
+    for v in study.variants:
+        if v.imatrix and v.imatrix_corpus:
+            raise StudyError(f"variant {v.name!r}: give an imatrix or a corpus, not both")
+
+
+def _types(study: Study) -> None:
+    """The scalar fields have their types (TOML gives any type anywhere)."""
+    wanted: list[tuple[str, Any, type | tuple[type, ...]]] = [("threads", study.threads, int)]
+    for p in study.prompts:
+        wanted += [
+            (f"prompt {p.name!r}: text", p.text, str),
+            (f"prompt {p.name!r}: chat", p.chat, bool),
+            (f"prompt {p.name!r}: max_new_tokens", p.max_new_tokens, int),
+        ]
+    for s in study.settings:
+        wanted += [(f"setting {s.name!r}: options", s.options, Mapping)]
+    for d in study.draws:
+        wanted += [(f"draw {d.name!r}: env", d.env, Mapping)]
+        wanted += [
+            (f"draw {d.name!r}: {k}", v, str) for k, v in {**d.env, **d.reference_env}.items()
+        ]
+    for where, value, kind in wanted:
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise StudyError(f"{where} must be {getattr(kind, '__name__', kind)}, not {value!r}")
+
+
+def _known(names: Sequence[str], known: set[str], where: str, what: str) -> None:
+    for n in names:
+        if n not in known:
+            raise StudyError(f"{where} names the {what} {n!r}, which the study does not declare")
+
+
+# --- TOML --------------------------------------------------------------------------------------
+
+_TOP = {
+    "name",
+    "title",
+    "model",
+    "threads",
+    "measures",
+    "variant",
+    "setting",
+    "prompt",
+    "reference",
+    "draw",
+    "finding",
+    "cross",
+    "compare",
+}
+
+
+def _strict(cls: type, table: Mapping[str, Any], where: str, **renames: str) -> dict[str, Any]:
+    """``table`` as keyword arguments of ``cls``, refusing keys it does not have."""
+    names = {f.name for f in fields(cls)} - {"folder"}
+    out: dict[str, Any] = {}
+    for key, value in table.items():
+        attr = renames.get(key, key)
+        if attr not in names:
+            raise StudyError(f"{where}: unknown key {key!r} (known: {', '.join(sorted(names))})")
+        out[attr] = tuple(value) if isinstance(value, list) and attr != "messages" else value
+    return out
+
+
+def _table(value: Any, where: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise StudyError(f"{where} must be a table")
+    return value
+
+
+def _items(doc: Mapping[str, Any], key: str) -> list[Mapping[str, Any]]:
+    value = doc.get(key, [])
+    if not isinstance(value, list):
+        raise StudyError(f"[[{key}]] must be an array of tables")
+    return [_table(v, f"[[{key}]] #{i + 1}") for i, v in enumerate(value)]
+
+
+def _measures(value: Any) -> tuple[MeasureSpec, ...]:
+    """``measures = ["a", "b"]`` or ``[[measures]] name = "a" options = {...}``."""
+    if not isinstance(value, list):
+        raise StudyError("measures must be a list of names or of tables")
+    out = []
+    for i, m in enumerate(value):
+        if isinstance(m, str):
+            out.append(MeasureSpec(m))
+        else:
+            out.append(MeasureSpec(**_strict(MeasureSpec, _table(m, f"measures #{i + 1}"), "")))
+    return tuple(out)
+
+
+def from_dict(doc: Mapping[str, Any], folder: Path = Path(".")) -> Study:
+    """A study from the parsed TOML document (see docs/studies.md for the keys)."""
+    for key in doc:
+        if key not in _TOP:
+            raise StudyError(f"unknown top-level key {key!r} (known: {', '.join(sorted(_TOP))})")
+    for key in ("name", "model"):
+        if not isinstance(doc.get(key), str):
+            raise StudyError(f'the study needs {key} = "..."')
+    prompts = []
+    for i, t in enumerate(_items(doc, "prompt")):
+        kw = _strict(Prompt, t, f"[[prompt]] #{i + 1}")
+        kw["messages"] = tuple(dict(m) for m in kw.get("messages", ()))
+        prompts.append(Prompt(**kw))
+    findings = [
+        FindingSpec(**_strict(FindingSpec, t, f"[[finding]] #{i + 1}", **{"assert": "asserted"}))
+        for i, t in enumerate(_items(doc, "finding"))
+    ]
+    cross = []
+    for i, t in enumerate(_items(doc, "cross")):
+        pair = t.get("pair")
+        if not (isinstance(pair, list) and len(pair) == 2) or set(t) != {"pair"}:
+            raise StudyError(f'[[cross]] #{i + 1} must be pair = ["a", "b"]')
+        cross.append((str(pair[0]), str(pair[1])))
+    return Study(
+        name=doc["name"],
+        title=str(doc.get("title", "")),
+        model=doc["model"],
+        threads=doc.get("threads", 1),
+        measures=_measures(doc.get("measures", [])),
+        variants=tuple(
+            Variant(**_strict(Variant, t, f"[[variant]] #{i + 1}"))
+            for i, t in enumerate(_items(doc, "variant"))
+        ),
+        settings=tuple(
+            Setting(**_strict(Setting, t, f"[[setting]] #{i + 1}"))
+            for i, t in enumerate(_items(doc, "setting"))
+        ),
+        prompts=tuple(prompts),
+        reference=ReferenceSpec(
+            **_strict(ReferenceSpec, _table(doc.get("reference", {}), "[reference]"), "[reference]")
+        ),
+        draws=tuple(
+            Draw(**_strict(Draw, t, f"[[draw]] #{i + 1}"))
+            for i, t in enumerate(_items(doc, "draw"))
+        ),
+        findings=tuple(findings),
+        cross=tuple(cross),
+        compare=tuple(
+            Compare(**_strict(Compare, t, f"[[compare]] #{i + 1}"))
+            for i, t in enumerate(_items(doc, "compare"))
+        ),
+        folder=folder,
+    )
+
+
+def load_study(path: str | Path) -> Study:
+    """Read a study from a TOML file."""
+    path = Path(path)
+    try:
+        doc = tomllib.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise StudyError(f"cannot read the study {path}: {e.strerror or e}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise StudyError(f"{path} is not valid TOML: {e}") from None
+    except TypeError as e:  # a value of the wrong type for its field
+        raise StudyError(f"{path}: {e}") from None
+    try:
+        return from_dict(doc, folder=path.parent)
+    except TypeError as e:
+        raise StudyError(f"{path}: {e}") from None
+
+
+def with_draws(study: Study, names: Sequence[str]) -> Study:
+    """The study with the optional draws ``names`` switched on (the others stay off)."""
+    for n in names:
+        study.draw(n)
+    draws = tuple(replace(d, optional=False) if d.name in names else d for d in study.draws)
+    return replace(study, draws=draws)

@@ -1,0 +1,108 @@
+"""The files of a study: each variant built once from the model source, and named by its hash.
+
+A known model (``qllama fetch``) goes through :func:`qllama.model_files.variant`; a GGUF path
+is quantized the same way (F32 first, every other type from it) into the cache, under the
+source's hash. qllama's quantizer is deterministic, so a worker that builds a variant itself
+writes the same bytes as the driver did: :func:`resolve` checks the sha256 either way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from qllama import defaults
+from qllama.atomic import atomic_write
+from qllama.model_files import MODELS, sha256_file
+from qllama.study.declaration import StudyError, Variant
+
+
+@dataclass(frozen=True)
+class VariantFile:
+    """A built variant: where it is on the machine that built it, and its content hash."""
+
+    variant: Variant
+    path: str
+    sha256: str
+
+
+def _stamp(path: Path) -> dict[str, int]:
+    st = path.stat()
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def file_sha256(path: str | os.PathLike[str]) -> str:
+    """The file's sha256, remembered beside it (``.sha256``) while its size and mtime hold."""
+    path = Path(path)
+    memo = path.with_name(path.name + ".sha256")
+    try:
+        seen = json.loads(memo.read_text())
+        if seen.get("stamp") == _stamp(path):
+            return str(seen["sha256"])
+    except (OSError, ValueError, KeyError):
+        pass
+    digest = sha256_file(path)
+    try:
+        with atomic_write(memo, "w") as f:
+            json.dump({"stamp": _stamp(path), "sha256": digest}, f)
+    except OSError:  # a read-only folder: the hash is still right, only not remembered
+        pass
+    return digest
+
+
+def _from_path(source: Path, label: str, cache: str | os.PathLike[str] | None) -> Path:
+    """``source`` as file type ``label``: F32 dequantized from it, the rest from that F32."""
+    from qllama import __version__
+    from qllama.model_files import quantized_once
+
+    origin = source if label == "F32" else _from_path(source, "F32", cache)
+    folder = defaults.cache_dir(cache) / "study-variants" / file_sha256(source)[:16]
+    path = folder / f"{source.stem}.{label}.gguf"
+    return quantized_once(
+        origin, path, label, {"source_sha256": file_sha256(origin), "qllama": __version__}
+    )
+
+
+def build(
+    source: str | Path, variant: Variant, *, cache: str | os.PathLike[str] | None = None
+) -> VariantFile:
+    """Build (or find in the cache) the file of ``variant`` from the model ``source``."""
+    from qllama.file_quantizer import file_type
+    from qllama.model_files import fetch
+    from qllama.model_files import variant as named_variant
+
+    if variant.imatrix or variant.imatrix_corpus:
+        raise StudyError(
+            f"variant {variant.name!r} names an importance matrix, which needs qllama's imatrix "
+            "quantizer (issue 11); this version quantizes without one"
+        )
+    if variant.type == "source":
+        path = fetch(str(source), cache=cache) if source in MODELS else Path(source)
+    else:
+        label = file_type(variant.type).label
+        if isinstance(source, str) and source in MODELS:
+            path = named_variant(source, label, cache=cache)
+        else:
+            path = _from_path(Path(source), label, cache)
+    if not Path(path).is_file():
+        raise StudyError(f"the model file {path} does not exist")
+    return VariantFile(variant, str(path), file_sha256(path))
+
+
+def resolve(
+    expected: VariantFile, source: str | Path, *, cache: str | os.PathLike[str] | None = None
+) -> Path:
+    """The variant's file on this machine: the driver's path when it is here with the same
+    hash (a shared folder), else built here from the declaration; refused if the hash differs."""
+    path = Path(expected.path)
+    if path.is_file() and file_sha256(path) == expected.sha256:
+        return path
+    built = build(source, expected.variant, cache=cache)
+    if built.sha256 != expected.sha256:
+        raise StudyError(
+            f"variant {expected.variant.name!r} built here has sha256 {built.sha256[:16]}…, the "
+            f"driver's has {expected.sha256[:16]}… (another qllama version or source file?)"
+        )
+    return Path(built.path)

@@ -1,0 +1,206 @@
+"""A study as data: the TOML and Python forms, the checks on a declaration, the cells and
+their content keys."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from qllama.study import (
+    Draw,
+    FindingSpec,
+    MeasureSpec,
+    Prompt,
+    ReferenceSpec,
+    Setting,
+    Study,
+    StudyError,
+    Variant,
+    load_study,
+)
+from qllama.study.cells import Arithmetic, Cell, content_key, product, select
+from qllama.study.declaration import from_dict, with_draws
+
+ROOT = Path(__file__).parent.parent
+
+TOML = """
+name = "small"
+model = "smollm2-135m-instruct"
+measures = ["teacher_forcing", {name = "free_generation", options = {extra = 5}}]
+
+[reference]
+kind = "qllama"
+
+[[variant]]
+type = "F32"
+[[variant]]
+type = "Q8_0"
+
+[[setting]]
+name = "cpu"
+[[setting]]
+name = "gpu"
+backend = "torch"
+prompts = ["a"]
+
+[[prompt]]
+name = "a"
+text = "Hi"
+[[prompt]]
+name = "b"
+chat = false
+text = "The sky is"
+max_new_tokens = 8
+
+[[draw]]
+name = "haswell"
+settings = ["cpu"]
+env = {OPENBLAS_CORETYPE = "Haswell"}
+[[draw]]
+name = "peer"
+settings = ["cpu"]
+variants = ["Q8_0"]
+engine = "llama.cpp"
+optional = true
+
+[[finding]]
+name = "f"
+check = "findings.py:f"
+assert = false
+"""
+
+
+def python_form() -> Study:
+    return Study(
+        name="small",
+        model="smollm2-135m-instruct",
+        measures=(MeasureSpec("teacher_forcing"), MeasureSpec("free_generation", {"extra": 5})),
+        reference=ReferenceSpec(kind="qllama"),
+        variants=(Variant("F32"), Variant("Q8_0")),
+        settings=(Setting("cpu"), Setting("gpu", backend="torch", prompts=("a",))),
+        prompts=(
+            Prompt("a", text="Hi"),
+            Prompt("b", text="The sky is", chat=False, max_new_tokens=8),
+        ),
+        draws=(
+            Draw("haswell", ("cpu",), env={"OPENBLAS_CORETYPE": "Haswell"}),
+            Draw("peer", ("cpu",), variants=("Q8_0",), engine="llama.cpp", optional=True),
+        ),
+        findings=(FindingSpec("f", "findings.py:f", asserted=False),),
+    )
+
+
+def test_toml_and_python_give_the_same_study(tmp_path):
+    path = tmp_path / "s.toml"
+    path.write_text(TOML)
+    assert replace(load_study(path), folder=Path(".")) == python_form()
+    assert load_study(path).folder == tmp_path
+
+
+def test_the_seed_declaration_loads():
+    study = load_study(ROOT / "experiments" / "seed.toml")
+    assert [v.name for v in study.variants] == ["F32", "Q8_0", "Q4_K_M"]
+    assert len(study.prompts) >= 6 and study.prompt("cpu-cache").max_new_tokens == 300
+    assert {p.chat for p in study.prompts} == {True, False}  # chat and raw prompts
+
+
+def test_cells_are_the_product_with_filters_and_draws():
+    study = python_form()
+    ids = [c.id for c in product(study)]
+    assert ids == [
+        "a/F32-cpu",
+        "a/F32-cpu~haswell",
+        "a/F32-gpu",
+        "a/Q8_0-cpu",
+        "a/Q8_0-cpu~haswell",
+        "a/Q8_0-gpu",
+        "b/F32-cpu",
+        "b/F32-cpu~haswell",
+        "b/Q8_0-cpu",
+        "b/Q8_0-cpu~haswell",
+    ]
+    # the optional draw runs only when asked for, and only on its variants
+    on = [c.id for c in product(with_draws(study, ["peer"]))]
+    assert [c for c in on if c.endswith("~peer")] == ["a/Q8_0-cpu~peer", "b/Q8_0-cpu~peer"]
+    assert [c.id for c in select(product(study), ["b/*~*"])] == [
+        "b/F32-cpu~haswell",
+        "b/Q8_0-cpu~haswell",
+    ]
+    with pytest.raises(StudyError, match="no cell matches"):
+        select(product(study), ["nothing*"])
+    with pytest.raises(StudyError, match="no draw named 'nope'"):
+        with_draws(study, ["nope"])
+
+
+def test_the_content_key_follows_the_numbers_not_the_names():
+    how = Arithmetic("qllama", "numpy", {"dequantize_all": True})
+    base = dict(
+        file_sha256="ab" * 32,
+        reference_key="cd" * 16,
+        how=how,
+        measures=(MeasureSpec("teacher_forcing", {"top": 5}),),
+        threads=1,
+    )
+    key = content_key(**base)
+    assert content_key(**base) == key
+    changes = [
+        {"file_sha256": "ef" * 32},
+        {"reference_key": "00" * 16},
+        {"how": replace(how, options={})},
+        {"how": replace(how, env={"OPENBLAS_CORETYPE": "Haswell"})},
+        {"how": replace(how, engine="llama.cpp")},
+        {"measures": (MeasureSpec("teacher_forcing", {"top": 3}),)},
+        {"threads": 2},
+    ]
+    keys = {content_key(**(base | c)) for c in changes}
+    assert len(keys) == len(changes) and key not in keys
+    assert Cell("a", "Q8_0", "cpu", "haswell").id == "a/Q8_0-cpu~haswell"
+
+
+BAD = [
+    ({"color": 1}, "unknown top-level key 'color'"),
+    ({"variant": [{"type": "F32", "bits": 4}]}, r"\[\[variant\]\] #1: unknown key 'bits'"),
+    ({"variant": [{"type": "F32"}, {"type": "F32"}]}, "two variants are named 'F32'"),
+    ({"setting": [{"name": "a/b"}]}, "must be non-empty, without"),
+    ({"prompt": [{"name": "p"}]}, "give either text or messages"),
+    ({"prompt": [{"name": "p", "text": "x", "max_new_tokens": 0}]}, "at least 1"),
+    ({"reference": {"kind": "oracle"}}, "reference kind must be one of"),
+    ({"reference": {"variant": "Q2_K"}}, "reference variant 'Q2_K' is not a declared"),
+    ({"draw": [{"name": "d", "settings": ["gpu"]}]}, "names the setting 'gpu'"),
+    ({"draw": [{"name": "d", "settings": []}]}, "applies to no setting"),
+    ({"setting": [{"name": "s", "engine": "vllm"}]}, "engine must be one of"),
+    ({"cross": [{"pair": ["cpu"]}]}, "must be pair"),
+    ({"measures": []}, "declares no measure"),
+    ({"threads": 0}, "threads must be at least 1"),
+    ({"variant": [{"type": "F32", "imatrix": "a", "imatrix_corpus": "b"}]}, "not both"),
+    ({"threads": "two"}, "threads must be int"),
+    ({"prompt": [{"name": "p", "text": "x", "max_new_tokens": "9"}]}, "max_new_tokens must be int"),
+    ({"draw": [{"name": "d", "settings": ["cpu"], "env": {"A": 1}}]}, "draw 'd': A must be str"),
+]
+
+
+@pytest.mark.parametrize(("change", "message"), BAD, ids=[m for _, m in BAD])
+def test_a_bad_declaration_is_refused_naming_the_field(change, message):
+    doc = {
+        "name": "s",
+        "model": "m.gguf",
+        "measures": ["teacher_forcing"],
+        "variant": [{"type": "F32"}],
+        "setting": [{"name": "cpu"}],
+        "prompt": [{"name": "p", "text": "x"}],
+    }
+    with pytest.raises(StudyError, match=message):
+        from_dict(doc | change)
+
+
+def test_a_file_that_is_not_a_study_is_refused(tmp_path):
+    with pytest.raises(StudyError, match="cannot read the study"):
+        load_study(tmp_path / "missing.toml")
+    (tmp_path / "bad.toml").write_text("name = [")
+    with pytest.raises(StudyError, match="not valid TOML"):
+        load_study(tmp_path / "bad.toml")
+    (tmp_path / "nameless.toml").write_text("model = 'm.gguf'")
+    with pytest.raises(StudyError, match='needs name = "..."'):
+        load_study(tmp_path / "nameless.toml")

@@ -1,0 +1,231 @@
+"""Running a study end to end on a tiny synthetic model: the cache and its keys, resuming,
+the executors agreeing, draws in their own environment, the report and the findings."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from study_support import write_study
+
+from qllama.study import Check, FindingSpec, Options, StudyError, View, load_study, run
+from qllama.study.cache import CellCache
+from qllama.study.cells import product
+
+DRAW = """
+[[draw]]
+name = "haswell"
+settings = ["cpu"]
+variants = ["Q8_0"]
+env = {OPENBLAS_CORETYPE = "Haswell"}
+"""
+
+VOLATILE = ("seconds", "environment")  # how long a cell took, and where: not its numbers
+
+
+def numbers(results: Path) -> dict[str, Any]:
+    """Every cached cell's numbers by cell id, without what may differ between runs."""
+    out = {}
+    for js in sorted((results / "cells").glob("*.json")):
+        doc = json.loads(js.read_text())
+        out[doc["cell"]] = {k: v for k, v in doc.items() if k not in VOLATILE}
+    return out
+
+
+def arrays(results: Path) -> dict[str, dict[str, np.ndarray]]:
+    cache = CellCache(results)
+    out = {}
+    for js in (results / "cells").glob("*.json"):
+        r = cache.load(js.stem)
+        assert r is not None
+        out[r.numbers["cell"]] = r.arrays
+    return out
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("qllama-cache")
+
+
+@pytest.fixture(autouse=True)
+def _cache(cache_dir, monkeypatch):
+    monkeypatch.setenv("QLLAMA_CACHE", str(cache_dir))  # the variants the studies build
+
+
+@pytest.fixture(scope="module")
+def local_run(tmp_path_factory, cache_dir):
+    """The tiny study with a draw, run once here, one cell after another."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("QLLAMA_CACHE", str(cache_dir))
+    folder = tmp_path_factory.mktemp("study")
+    study = load_study(write_study(folder, extra=DRAW))
+    code = run(study, Options(results=folder / "results", docs=folder / "docs", executor="local"))
+    mp.undo()
+    return folder, study, code
+
+
+def test_every_cell_runs_and_the_report_is_written(local_run):
+    folder, study, code = local_run
+    assert code == 0
+    got = numbers(folder / "results")
+    assert sorted(got) == sorted(c.id for c in product(study))
+    c = got["raw/Q8_0-cpu"]
+    assert c["measures"]["teacher_forcing"]["steps"] == 6
+    assert 0 < c["measures"]["last_position"]["max_abs"] < 1
+    # teacher forcing's first step is the last position, computed by its own prefill
+    tf = c["measures"]["teacher_forcing"]
+    assert tf["step0_max_abs"] == c["measures"]["last_position"]["max_abs"]
+    doc = json.loads((folder / "docs" / "results.json").read_text())
+    assert set(doc["prompts"]) == {"raw", "chat"}
+    assert set(doc["prompts"]["raw"]["draws"]["haswell"]) == {"Q8_0-cpu"}
+    assert doc["prompts"]["raw"]["compare"]["Q8_0-cpu vs Q8_0-dequantize-all"]["steps"] == 6
+    md = (folder / "docs" / "results.md").read_text()
+    assert "## Prompt `raw`" in md and "## Summary across prompts" in md
+    assert (folder / "docs" / "plots" / "raw-max_abs.png").stat().st_size > 1000
+
+
+def test_a_draw_runs_in_its_own_environment(local_run):
+    folder, _, _ = local_run
+    got = numbers(folder / "results")
+    pools = {
+        c: {p["internal_api"]: p["architecture"] for p in r["environment"]["threadpools"]}
+        for c, r in ((c, json.loads(p.read_text())) for c, p in _paths(folder).items())
+    }
+    assert pools["raw/Q8_0-cpu~haswell"]["openblas"] == "Haswell"
+    assert pools["raw/Q8_0-cpu"]["openblas"] != "Haswell"
+    assert got["raw/Q8_0-cpu~haswell"]["env"] == {"OPENBLAS_CORETYPE": "Haswell"}
+
+
+def _paths(folder: Path) -> dict[str, Path]:
+    return {
+        json.loads(p.read_text())["cell"]: p for p in (folder / "results" / "cells").glob("*.json")
+    }
+
+
+def test_a_rerun_computes_nothing_and_a_changed_setting_only_its_cells(local_run, tmp_path):
+    folder, study, _ = local_run
+    results = tmp_path / "results"
+    shutil.copytree(folder / "results", results)
+    before = {p.name: p.stat().st_mtime_ns for p in (results / "cells").iterdir()}
+    assert run(study, Options(results=results, executor="local")) == 0
+    assert {p.name: p.stat().st_mtime_ns for p in (results / "cells").iterdir()} == before
+
+    # another activation rounding for the cpu setting: its cells (and its draw's) rerun
+    settings = tuple(
+        replace(s, options={"activation_rounding": "simd"}) if s.name == "cpu" else s
+        for s in study.settings
+    )
+    changed = replace(study, settings=settings)
+    assert run(changed, Options(results=results, executor="local")) == 0
+    new = {p.name for p in (results / "cells").iterdir()} - set(before)
+    cells = {
+        json.loads((results / "cells" / n).read_text())["cell"] for n in new if n.endswith(".json")
+    }
+    assert cells == {c.id for c in product(study) if c.setting == "cpu"}
+
+
+def test_an_interrupted_sweep_resumes_where_it_stopped(local_run, tmp_path):
+    folder, study, _ = local_run
+    results = tmp_path / "results"
+    assert run(study, Options(results=results, executor="local", patterns=("raw/*",))) == 0
+    first = numbers(results)
+    assert sorted(first) == sorted(c.id for c in product(study) if c.prompt == "raw")
+    assert not (tmp_path / "docs").exists()  # the report waits for every cell
+    assert run(study, Options(results=results, docs=tmp_path / "docs", executor="local")) == 0
+    assert numbers(results) == numbers(folder / "results")
+
+
+def test_the_process_executor_gives_the_local_numbers_bit_for_bit(local_run, tmp_path):
+    folder, study, _ = local_run
+    results = tmp_path / "results"
+    shutil.copytree(folder / "results" / "references", results / "references")
+    assert run(study, Options(results=results, executor="process", workers=2)) == 0
+    assert numbers(results) == numbers(folder / "results")
+    a, b = arrays(results), arrays(folder / "results")
+    for cell, arrs in a.items():
+        for k, v in arrs.items():
+            np.testing.assert_array_equal(v, b[cell][k], err_msg=f"{cell} {k}")
+
+
+def test_report_only_rebuilds_the_report_from_the_cache(local_run, tmp_path):
+    folder, study, _ = local_run
+    docs = tmp_path / "docs"
+    assert run(study, Options(results=folder / "results", docs=docs, report_only=True)) == 0
+    old = json.loads((folder / "docs" / "results.json").read_text())
+    new = json.loads((docs / "results.json").read_text())
+    assert new["prompts"] == old["prompts"]
+    with pytest.raises(StudyError, match="not cached"):
+        run(study, Options(results=tmp_path / "empty", report_only=True))
+
+
+# --- findings ----------------------------------------------------------------------------------
+
+
+def q8_cpu_error_below(bound: float) -> Any:
+    def finding(view: View) -> list[Check]:
+        c = view.cell("Q8_0", "cpu")
+        assert c is not None
+        v = c["teacher_forcing"]["median_max_abs"]
+        return [Check("Q8_0-cpu", "median max|Δ|", v, f"< {bound}", v < bound)]
+
+    return finding
+
+
+def gpu_flips_to_test(view: View) -> list[Check]:
+    """A check about a setting this study does not have: nothing to test, not a pass."""
+    c = view.cell("Q8_0", "gpu")
+    flips = None if c is None else len(c["teacher_forcing"]["flips"])
+    return [Check("Q8_0-gpu", "flips", flips, "> 0", None if flips is None else flips > 0)]
+
+
+def test_findings_hold_against_every_draw_and_fail_the_study(local_run, capsys):
+    folder, study, _ = local_run
+    findings = (
+        FindingSpec("holds", q8_cpu_error_below(10.0)),
+        FindingSpec("seen", q8_cpu_error_below(0.0), asserted=False),
+        FindingSpec("empty", gpu_flips_to_test),
+    )
+    options = Options(results=folder / "results", report_only=True)
+    assert run(replace(study, findings=findings), options) == 0
+    out = capsys.readouterr().out
+    assert "PASS holds: holds on 2/2 prompts" in out
+    assert "SEEN seen: holds on 0/2 prompts; fails on raw, chat" in out
+    assert "N/A empty: holds on 0/2 prompts; nothing to test on raw, chat" in out
+
+    assert run(replace(study, findings=(FindingSpec("x", q8_cpu_error_below(0.0)),)), options) == 1
+
+
+def test_a_check_holds_only_if_it_holds_in_every_draw():
+    from qllama.study.findings import combine
+
+    def c(v: float, ok: bool | None) -> list[Check]:
+        return [Check("Q8_0-cpu", "m", v, "< 1", ok)]
+
+    (both,) = combine({"": c(0.5, True), "a": c(0.7, True)})
+    assert both.ok and both.band == (0.5, 0.7) and both.text() == "0.5 [0.5, 0.7]"
+    (one,) = combine({"": c(0.5, True), "a": c(1.5, False), "b": c(0.6, True)})
+    assert one.ok is False and one.failing == ["a"] and one.draws == {"a": "1.5", "b": "0.6"}
+    (none,) = combine({"": c(0.0, None), "a": c(0.0, None)})
+    assert none.ok is None  # nothing to test in any draw: not a pass
+    (some,) = combine({"": c(0.0, None), "a": c(0.2, True)})
+    assert some.ok is True
+
+
+def test_the_cli_lists_cells_runs_and_refuses_bad_studies(local_run, tmp_path, capsys):
+    from qllama.cli import main
+
+    folder, _, _ = local_run
+    toml = str(folder / "tiny.toml")
+    assert main(["study", "cells", toml, "--cells", "chat/*~*"]) == 0
+    assert capsys.readouterr().out.split() == ["chat/Q8_0-cpu~haswell"]
+    args = ["study", "run", toml, "--results", str(folder / "results"), "--report-only"]
+    assert main([*args, "--docs", str(tmp_path / "docs")]) == 0
+    assert (tmp_path / "docs" / "results.md").exists()
+    (tmp_path / "bad.toml").write_text('name = "x"\nmodel = "m.gguf"\ncolour = 1\n')
+    assert main(["study", "run", str(tmp_path / "bad.toml")]) == 1
+    assert "qllama study: error: unknown top-level key 'colour'" in capsys.readouterr().err
