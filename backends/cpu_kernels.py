@@ -546,6 +546,25 @@ def _kquant_rows(raw, fmt, ts, r0, r1, xq, dx, bsums, out):
             out[t, r] = total
 
 
+@njit(**INLINE)
+def _lane_weights(q, sc, sub, w):
+    """A decoded 256-block's codes times their sub-block scales (int16), regrouped by ggml's
+    8 lanes (element ``e`` to lane ``e % 8``): ``w[32 * lane + i]`` is element ``8 * i + lane``."""
+    for lane in range(8):
+        for i in range(32):
+            e = 8 * i + lane
+            w[32 * lane + i] = sc[e // sub] * q[e]
+
+
+@njit(**INLINE)
+def _lane_dots(w, lane, xw, b, gs, tpad, isum):
+    """One lane's integer sums of block ``b`` with every token, 16 tokens a call
+    (``token_wdots``), into ``isum``."""
+    xo = (b * 8 + lane) * 16 * gs
+    for t0 in range(0, tpad, 16):
+        token_wdots(w, 32 * lane, xw, xo + 2 * t0, gs, isum[t0:])
+
+
 @njit(**JIT)
 def _kquant_tiles(raw, fmt, ts, r0, r1, xw, tpad, dxt, bst, out):
     """Many tokens: per super-block (decoded once, scales folded into int16 weights
@@ -571,16 +590,11 @@ def _kquant_tiles(raw, fmt, ts, r0, r1, xw, tpad, dxt, bst, out):
         acc[:] = 0
         for b in range(nb):
             d, dmin = _kquant_header(raw, (r * nb + b) * ts, fmt, q, sc, mn)
-            for lane in range(8):
-                for i in range(32):
-                    e = 8 * i + lane
-                    w[32 * lane + i] = sc[e // sub] * q[e]
+            _lane_weights(q, sc, sub, w)
             yd = dxt[b]
             total[:] = 0
             for lane in range(8):
-                xo = (b * 8 + lane) * 16 * gs
-                for t0 in range(0, tpad, 16):
-                    token_wdots(w, 32 * lane, xw, xo + 2 * t0, gs, isum[t0:])
+                _lane_dots(w, lane, xw, b, gs, tpad, isum)
                 if fmt == Q2_K:
                     for t in range(tokens):
                         total[t] += isum[t]
@@ -728,16 +742,11 @@ def _iq_tiles(raw, fmt, r0, r1, xw, tpad, dxt, out):
         acc[:] = 0
         for b in range(nb):
             d = _iq_decode(raw, (r * nb + b) * ts, fmt, q, sc)
-            for lane in range(8):
-                for i in range(32):
-                    e = 8 * i + lane
-                    w[32 * lane + i] = sc[e // 16] * q[e]
+            _lane_weights(q, sc, 16, w)
             yd = dxt[b]
             total[:] = 0
             for lane in range(8):
-                xo = (b * 8 + lane) * 16 * gs
-                for t0 in range(0, tpad, 16):
-                    token_wdots(w, 32 * lane, xw, xo + 2 * t0, gs, isum[t0:])
+                _lane_dots(w, lane, xw, b, gs, tpad, isum)
                 for t in range(tokens):
                     total[t] += isum[t]
             for t in range(tokens):
