@@ -79,6 +79,7 @@ PERPLEXITY: list[tuple[str, dict[str, Any]]] = [
 ]
 LLAMA_PERPLEXITY = "perplexity: llama-perplexity"
 LLAMA_CPP = "llama.cpp"
+OBSERVER = "observer overhead"
 TRANSFORMERS = "transformers f32 eager"
 
 
@@ -342,12 +343,29 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{out.seconds:.0f} s" + (f"  FAILED: {out.error}" if out.error else ""), flush=True)
         outcomes[c.name] = (c, out)
 
+    observer = None
+    if args.only is None or args.only.lower() in OBSERVER:
+        print(f"{OBSERVER} ...", end=" ", flush=True)
+        job = {
+            "kind": "observer",
+            "file": paths["Q8_0"],
+            "ids": ids,
+            "prompt_len": prompt_len,
+            "threads": args.threads,
+            "repeats": max(5, args.repeats),
+            "decode_steps": args.decode_steps,
+        }
+        out = run_worker(job, sys.executable, args.threads, args.timeout)
+        print(f"{out.seconds:.0f} s" + (f"  FAILED: {out.error}" if out.error else ""), flush=True)
+        observer = out.result
+
     serving = None
     if not args.no_serve and (args.only is None or args.only.lower() in "serving"):
         serving = run_serving(args, paths["Q8_0"], llama_note)
 
     info = {
         "serving": serving,
+        "observer": observer,
         "date": started.strftime("%Y-%m-%d %H:%M UTC"),
         "machine": machine(),
         "load_before": load_before,

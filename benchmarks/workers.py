@@ -169,6 +169,31 @@ def profile_qllama(model: Any, ids: list[int], job: dict) -> dict:
     return {"decode": decode, "tf": tf}
 
 
+def run_observer(job: dict) -> dict:
+    """Decode with no observer and with a no-op one, rounds alternating so both see the same
+    machine (benchmarks/observer_overhead.py): the hook's cost when no observer is given is
+    at most the no-op observer's, whose calls it skips."""
+    from observer_overhead import decode_ms
+
+    import qllama
+
+    model = qllama.load(job["file"], backend="numpy", threads=job["threads"])
+    prompt = job["ids"][: job["prompt_len"]]
+    variants: dict[str, dict[str, Any]] = {
+        "none": {},
+        "no-op observer": {"observer": lambda name, value: None},
+    }
+    decode_ms(model, prompt, 2)  # warm-up
+    ms: dict[str, list[float]] = {k: [] for k in variants}
+    for _ in range(job["repeats"]):
+        for label, forward in variants.items():
+            ms[label].append(decode_ms(model, prompt, job["decode_steps"], **forward))
+    return {
+        "median_ms_per_step": {k: statistics.median(v) for k, v in ms.items()},
+        "rounds": ms,
+    }
+
+
 def run_ids(job: dict) -> dict:
     """The benchmark's token ids: the chat prompt, then ``new_tokens`` greedy tokens of qllama
     (dequantize-all, the F32 file), end-of-turn ignored so that the length is fixed."""
@@ -384,6 +409,7 @@ KINDS: dict[str, Callable[[dict], dict]] = {
     "llama_cpp": run_llama_cpp,
     "perplexity": run_perplexity,
     "llama_perplexity": run_llama_perplexity,
+    "observer": run_observer,
 }
 
 

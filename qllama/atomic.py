@@ -39,3 +39,23 @@ def atomic_write(
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+@contextlib.contextmanager
+def exclusive(path: str | os.PathLike[str]) -> Iterator[None]:
+    """Hold an exclusive lock on the file ``path`` (created if missing) for the block, so that
+    processes making the same cached file wait for the first instead of each making it.
+    Where the platform has no ``fcntl`` (Windows) the block runs unlocked: each process
+    then makes the file itself, and :func:`atomic_write` keeps every copy whole."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows
+        yield
+        return
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

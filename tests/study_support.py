@@ -79,3 +79,10 @@ def hold_once(model: Any, ref: Any, options: Mapping[str, Any]) -> dict[str, Any
     while time.monotonic() < deadline:
         time.sleep(0.2)
     return {"prompt_tokens": ref.n_prompt}
+
+
+def hold_pid(path: str, shipped: Any = None) -> None:
+    """A job for the executor tests: write this process's pid to ``path``, then wait (at most
+    a minute) to be killed or orphaned."""
+    Path(path).write_text(str(os.getpid()))
+    time.sleep(60)

@@ -68,3 +68,32 @@ def test_unavailable_torch_device():
 def test_unknown_option():
     with pytest.raises(BackendError, match="takes no options"):
         backends.get_backend("torch", fast=True)
+
+
+@pytest.mark.parametrize("weight_type", ["Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "MXFP4"])
+def test_torch_widening_once_or_in_each_matmul_gives_the_same_bits(tmp_path, weight_type):
+    """The GPU arithmetic widens each weight to float32 for its matmul; widening it once at
+    load (``dequantize_all``) multiplies the same float32 matrix by the same kernel, so every
+    logit is the same bit for bit. The study relies on this to run its GPU column on the
+    CPU without dequantizing every weight at every step (experiments/seed.toml)."""
+    if importlib.util.find_spec("torch") is None:
+        pytest.skip("torch is not installed")
+    import numpy as np
+
+    import qllama
+    from qllama.array_api import to_numpy
+    from qllama.synthetic import TinyConfig, write_tiny_llama
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path, TinyConfig(n_embd=256, n_ff=512, weight_type=weight_type))
+    ids = [1, 40, 77, 200, 5, 260, 99, 3]
+
+    def logits(dequantize_all: bool) -> np.ndarray:
+        m = qllama.load(path, backend="torch", device="cpu", dequantize_all=dequantize_all)
+        rows = [to_numpy(m.forward(ids[:5], pos=0, all_logits=True))]
+        rows += [
+            to_numpy(m.forward([t], pos=5 + i, all_logits=True)) for i, t in enumerate(ids[5:])
+        ]
+        return np.concatenate(rows)
+
+    np.testing.assert_array_equal(logits(False), logits(True))

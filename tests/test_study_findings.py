@@ -104,3 +104,57 @@ def test_a_run_without_flips_is_a_result_not_a_crash_nor_a_pass(study, run):
     ):
         o = outcome(outcomes, name)
         assert o.prompts("n/a") == list(data["prompts"]) and not o.failed
+
+
+# --- where the drift enters, and the corpus ------------------------------------------------------
+
+
+def _attribution(data: dict[str, Any], prompt: str, label: str) -> dict[str, Any]:
+    return data["prompts"][prompt]["cells"][label]["measures"]["attribution"]
+
+
+def test_one_class_carrying_most_of_the_error_fails(study, run):
+    data = copy.deepcopy(run)
+    a = _attribution(data, "list", "Q4_K_M-dequantize-all")
+    a["parts"][0]["excess_mean_kld"] = 0.9 * a["whole_excess"]["mean_kld"]
+    o = outcome(
+        evaluate(study, data),
+        "no tensor class carries half of the error (Q8_0 activations, Q4_K_M weights)",
+    )
+    assert o.prompts("fails") == ["list"]
+
+
+def test_parts_that_do_not_add_up_fail(study, run):
+    data = copy.deepcopy(run)
+    a = _attribution(data, "poem", "Q4_K_M-dequantize-all")
+    a["sum_of_parts"]["mean_kld"] = 2 * a["whole_excess"]["mean_kld"]
+    o = outcome(
+        evaluate(study, data), "Q4_K_M: the weight errors of the tensor classes add up to the whole"
+    )
+    assert o.prompts("fails") == ["poem"]
+
+
+def test_an_error_at_the_embedding_fails_the_layer_finding(study, run):
+    """A quantized embedding (another model's file) puts the error at the embedding: the
+    finding that it enters in block 0 must fail, and name the cell."""
+    data = copy.deepcopy(run)
+    cell = data["prompts"]["cpu-cache"]["cells"]["Q8_0-cpu"]["measures"]["layer_trace"]
+    cell["errors"]["embedding"]["rel_l2"] = 1e-3
+    o = outcome(
+        evaluate(study, data),
+        "the error enters in block 0, not at the embedding, in every quantized setting",
+    )
+    assert o.prompts("fails") == ["cpu-cache"]
+    assert [c.cell for c in o.checks["cpu-cache"] if c.ok is False] == ["Q8_0-cpu"]
+
+
+def test_unrounded_activations_fail_the_corpus_finding(study, run):
+    data = copy.deepcopy(run)
+    cells = data["prompts"]["raw"]["cells"]
+    gpu = cells["Q8_0-gpu"]["measures"]["corpus"]["mean_kld"]
+    cells["Q8_0-cpu"]["measures"]["corpus"]["mean_kld"] = gpu
+    o = outcome(
+        evaluate(study, data),
+        "corpus: the CPU arithmetic adds KL divergence on Q8_0, less on Q4_K_M",
+    )
+    assert o.prompts("fails") == ["raw"]

@@ -229,3 +229,45 @@ def test_the_cli_lists_cells_runs_and_refuses_bad_studies(local_run, tmp_path, c
     (tmp_path / "bad.toml").write_text('name = "x"\nmodel = "m.gguf"\ncolour = 1\n')
     assert main(["study", "run", str(tmp_path / "bad.toml")]) == 1
     assert "qllama study: error: unknown top-level key 'colour'" in capsys.readouterr().err
+
+
+def test_the_process_executors_workers_exit_when_the_driver_is_killed(tmp_path):
+    """A driver killed outright (no interrupt to pass on) leaves no worker computing."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    pid_file = tmp_path / "worker.pid"
+    driver = (
+        "import sys; sys.path.insert(0, sys.argv[1])\n"
+        "from study_support import hold_pid\n"
+        "from qllama.study.executors import Job, Process\n"
+        "list(Process(1).run([Job(hold_pid, (sys.argv[2],), 'k', 'hold')]))\n"
+    )
+    tests = str(Path(__file__).parent)
+    proc = subprocess.Popen([sys.executable, "-c", driver, tests, str(pid_file)])
+    try:
+        deadline = time.monotonic() + 60
+        while not pid_file.exists() or not pid_file.read_text():
+            assert time.monotonic() < deadline and proc.poll() is None, "no worker started"
+            time.sleep(0.1)
+        worker = int(pid_file.read_text())
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 15  # the worker polls its parent every second
+        while True:
+            try:
+                os.kill(worker, 0)
+            except ProcessLookupError:
+                break
+            try:  # a zombie of ours? reap it (it is the driver's child, now init's)
+                os.waitpid(worker, os.WNOHANG)
+            except ChildProcessError:
+                pass
+            assert time.monotonic() < deadline, "the worker outlived its driver"
+            time.sleep(0.2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -106,10 +106,13 @@ def compared(study: Study, cell: Cell) -> bool:
 
 
 def measure_specs(study: Study, cell: Cell) -> tuple[MeasureSpec, ...]:
-    """The study's measures with their options resolved; teacher forcing keeps every step's
-    logits in the cells a ``compare`` pair names (others keep only the per-step numbers)."""
+    """The study's measures that run in ``cell``, with their options resolved; teacher forcing
+    keeps every step's logits in the cells a ``compare`` pair names (others keep only the
+    per-step numbers)."""
     out = []
     for spec in study.measures:
+        if not spec.applies(cell.id):
+            continue
         m = get_measure(spec.name)
         options = m.options(spec.options)
         if "logits" in m.defaults and compared(study, cell):
@@ -125,6 +128,7 @@ def content_key(
     how: Arithmetic,
     measures: Sequence[MeasureSpec],
     threads: int,
+    files: Mapping[str, str] | None = None,
 ) -> str:
     """The cell's key: the sha256 of what its numbers depend on (16 hex digits shown)."""
     from qllama import __version__
@@ -140,4 +144,6 @@ def content_key(
         "threads": threads,
         "qllama": __version__,
     }
+    if files:  # the other variants' files the measures read, by name: their sha256
+        meta["files"] = dict(files)
     return hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()[:32]

@@ -10,6 +10,7 @@ example.
 
 from __future__ import annotations
 
+import fnmatch
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
@@ -143,10 +144,17 @@ class FindingSpec:
 
 @dataclass(frozen=True)
 class MeasureSpec:
-    """A registered measure (:mod:`qllama.study.measures`) and its options."""
+    """A registered measure (:mod:`qllama.study.measures`) and its options. ``cells`` limits
+    it to the cells whose id matches one of its patterns (``"*/Q8_0-cpu"``: the base draw of
+    that cell on every prompt); empty means every cell."""
 
     name: str
     options: Mapping[str, Any] = field(default_factory=dict)
+    cells: tuple[str, ...] = ()
+
+    def applies(self, cell_id: str) -> bool:
+        """Whether the measure runs in the cell ``cell_id``."""
+        return not self.cells or any(fnmatch.fnmatchcase(cell_id, p) for p in self.cells)
 
 
 @dataclass(frozen=True)
@@ -292,9 +300,29 @@ def check(study: Study) -> None:
             if not any(label == f"{v}-{s}" for v in variants for s in settings):
                 raise StudyError(f"compare names {side!r}, not a declared variant-setting")
             _known((draw,) if draw else (), draws, f"compare {side!r}", "draw")
+    _measure_cells(study)
     for v in study.variants:
         if v.imatrix and v.imatrix_corpus:
             raise StudyError(f"variant {v.name!r}: give an imatrix or a corpus, not both")
+
+
+def _measure_cells(study: Study) -> None:
+    """Each measure's ``cells`` patterns match a cell; one cell has each measure name once."""
+    from qllama.study.cells import product
+
+    cells = product(study)
+    seen: set[tuple[str, str]] = set()
+    for m in study.measures:
+        for pattern in m.cells:
+            if not any(fnmatch.fnmatchcase(c.id, pattern) for c in cells):
+                raise StudyError(
+                    f"measure {m.name!r}: cells {pattern!r} matches no cell "
+                    f"(cells look like {cells[0].id})"
+                )
+        for c in (c for c in cells if m.applies(c.id)):
+            if (c.id, m.name) in seen:
+                raise StudyError(f"measure {m.name!r} is declared twice for the cell {c.id}")
+            seen.add((c.id, m.name))
 
 
 def _types(study: Study) -> None:

@@ -83,9 +83,15 @@ class Process:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor, as_completed
 
+        from qllama.study.worker import watch_parent
+
         if self._pool is None:
             ctx = multiprocessing.get_context("spawn")
-            self._pool = ProcessPoolExecutor(max_workers=self.slots, mp_context=ctx)
+            # each worker exits when the driver dies (killed, not interrupted): no orphan
+            # goes on computing cells whose results nobody will save
+            self._pool = ProcessPoolExecutor(
+                max_workers=self.slots, mp_context=ctx, initializer=watch_parent
+            )
         futures = {}
         for job in jobs:
             futures[self._pool.submit(job.fn, *job.args, None)] = job

@@ -16,7 +16,11 @@ options, so adding one reruns only what it touches.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import hashlib
 import importlib
+import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +43,8 @@ class Measure:
     run: MeasureFn
     defaults: Mapping[str, Any] = field(default_factory=dict)
     about: str = ""
+    # options whose value names one of the study's variants: the measure is given its path
+    files: tuple[str, ...] = ()
 
     def options(self, given: Mapping[str, Any]) -> dict[str, Any]:
         """The defaults overridden by ``given``; an unknown option is refused."""
@@ -55,17 +61,37 @@ REGISTRY: dict[str, Measure] = {}
 
 
 def register(
-    name: str, *, defaults: Mapping[str, Any] | None = None, about: str = ""
+    name: str,
+    *,
+    defaults: Mapping[str, Any] | None = None,
+    about: str = "",
+    files: tuple[str, ...] = (),
 ) -> Callable[[MeasureFn], MeasureFn]:
-    """Register ``fn`` as the measure ``name``."""
+    """Register ``fn`` as the measure ``name``. ``files`` are options that name a variant of
+    the study (``f32 = "F32"``): the cell's key includes that file's hash, and ``fn`` gets
+    the file's path in the option."""
 
     def add(fn: MeasureFn) -> MeasureFn:
         if name in REGISTRY and REGISTRY[name].run is not fn:
             raise StudyError(f"a measure named {name!r} is registered already")
-        REGISTRY[name] = Measure(name, fn, dict(defaults or {}), about)
+        REGISTRY[name] = Measure(name, fn, dict(defaults or {}), about, tuple(files))
         return fn
 
     return add
+
+
+def variants_named(spec: MeasureSpec) -> list[str]:
+    """The variants the measure's file options name (see :func:`register`)."""
+    m = get(spec.name)
+    options = m.options(spec.options)
+    names = []
+    for opt in m.files:
+        if options[opt] is None:  # the option is not used here
+            continue
+        if not isinstance(options[opt], str):
+            raise StudyError(f"measure {spec.name!r}: option {opt} must name a variant")
+        names.append(options[opt])
+    return names
 
 
 def get(name: str) -> Measure:
@@ -98,10 +124,17 @@ def _plain(value: Any, where: str) -> Any:
     raise StudyError(f"measure value {where} is a {type(value).__name__}, not JSON data")
 
 
-def run(spec: MeasureSpec, model: Any, ref: Reference) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Run one measure: its numbers (JSON) and its arrays."""
+def run(
+    spec: MeasureSpec, model: Any, ref: Reference, files: Mapping[str, str] | None = None
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Run one measure: its numbers (JSON) and its arrays. ``files`` maps the study's variant
+    names to their paths (those the measure's file options name)."""
     m = get(spec.name)
-    out = m.run(model, ref, m.options(spec.options))
+    options = m.options(spec.options)
+    for opt in m.files:
+        if options[opt] is not None:
+            options[opt] = (files or {})[options[opt]]
+    out = m.run(model, ref, options)
     if not isinstance(out, Mapping):
         raise StudyError(f"measure {spec.name!r} returned a {type(out).__name__}, not a dict")
     numbers = {k: v for k, v in out.items() if not isinstance(v, np.ndarray)}
@@ -162,3 +195,175 @@ def free_generation_measure(
     model: Any, ref: Reference, options: Mapping[str, Any]
 ) -> dict[str, Any]:
     return free_generation(model, ref, extra=int(options["extra"])).summary()
+
+
+# --- where the drift enters (qllama.trace, qllama.attribution) ---------------------------------
+
+
+def _source_path(model: Any, measure: str) -> str:
+    source = getattr(model, "source", None)
+    if source is None or getattr(source, "path", None) is None:
+        raise StudyError(f"measure {measure!r} needs a cell computed by qllama from a file")
+    return str(source.path)
+
+
+@register(
+    "attribution",
+    defaults={"kind": "activations", "by": "class", "arithmetic": "f32", "f32": None},
+    files=("f32",),
+    about="the cell's error split by tensor group: one group's cause switched on at a time",
+)
+def attribution_measure(model: Any, ref: Reference, options: Mapping[str, Any]) -> dict[str, Any]:
+    """:func:`qllama.attribution.attribute` on the cell's file and backend: ``kind``
+    ``activations`` (the CPU arithmetic's activation rounding, one group at a time, the rest
+    on ``arithmetic``) or ``weights`` (the file's weights, one group at a time, in the F32
+    variant ``f32``)."""
+    from qllama.attribution import attribute
+
+    out = attribute(
+        _source_path(model, "attribution"),
+        ref,
+        kind=str(options["kind"]),
+        by=str(options["by"]),
+        f32_path=options["f32"],
+        arithmetic=str(options["arithmetic"]),
+        backend=model.backend.name,
+    ).to_dict()
+    del out["file"]  # a path of this machine's cache; the cell names its file by hash
+    return out
+
+
+# who runs the F32 variant for a layer trace or a corpus base
+REFERENCE_ENGINES = ("transformers", "qllama")
+ENGINES = {"transformers": "transformers f32 eager", "qllama": "qllama numpy dequantize-all"}
+
+
+@functools.lru_cache(maxsize=1)  # the cells of one prompt share it
+def _reference_trace(path: str, tokens: tuple[int, ...], qkv: bool, kind: str) -> Any:
+    from qllama.observe import record
+    from qllama.reference import transformers_trace
+
+    if kind == "transformers":
+        return transformers_trace(path, tokens, qkv=qkv)
+    from qllama.loader import load
+
+    model = load(path, dequantize_all=True)
+    try:
+        return record(model, tokens, qkv=qkv)
+    finally:
+        model.source.close()
+
+
+@register(
+    "layer_trace",
+    defaults={"f32": None, "qkv": False, "reference": "transformers"},
+    files=("f32",),
+    about="every layer's values against transformers' on the F32 variant, every position",
+)
+def layer_trace_measure(model: Any, ref: Reference, options: Mapping[str, Any]) -> dict[str, Any]:
+    """The cell's residual stream, attention and MLP outputs (and Q/K/V with ``qkv``) at every
+    position of the reference's tokens against the F32 variant ``f32`` run by ``reference``
+    (transformers, or qllama's dequantize-all for a study whose reference is qllama's): the
+    per-point errors of :func:`qllama.trace.compare`. The report puts each cell beside the
+    F32 variant's cell of the same setting, its control."""
+    from qllama.observe import record, residual_names
+    from qllama.trace import compare
+
+    if options["f32"] is None:
+        raise StudyError("measure 'layer_trace' needs f32 = the F32 variant's name")
+    if options["reference"] not in REFERENCE_ENGINES:
+        raise StudyError(f"layer_trace: reference must be one of {', '.join(REFERENCE_ENGINES)}")
+    tokens = tuple(int(t) for t in ref.tokens)
+    reference = _reference_trace(
+        str(options["f32"]), tokens, bool(options["qkv"]), str(options["reference"])
+    )
+    errors = compare(record(model, tokens, qkv=bool(options["qkv"])), reference)
+    return {
+        "residual": residual_names(model.config.n_layer),
+        "errors": {name: dataclasses.asdict(e) for name, e in errors.items()},
+    }
+
+
+# --- a corpus, as llama-perplexity measures it (qllama.perplexity) -----------------------------
+
+
+def corpus_base(
+    f32_path: str, corpus: str, n_ctx: int, chunks: int, fmt: str, reference: str
+) -> Any:
+    """The base of ``corpus`` on the F32 file (a :class:`~qllama.kld_base.BaseFile`), run by
+    ``reference`` (transformers f32, or qllama's dequantize-all): made once and kept in the
+    cache (``corpus-bases/``), the first process to need it making it while the others
+    wait."""
+    from qllama import corpus as corpora
+    from qllama import defaults, kld_base, perplexity
+    from qllama.atomic import exclusive
+    from qllama.model_files import sha256_file
+    from qllama.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_gguf(f32_path)
+    ids = perplexity.tokenize(tokenizer, corpora.text(corpus))
+    bos = tokenizer.bos_id if tokenizer.add_bos else None
+    wins = perplexity.windows(ids, n_ctx, n_chunks=chunks, bos=bos)
+    if wins.n_chunk < chunks:
+        raise StudyError(f"corpus {corpus!r} has {wins.n_chunk} windows of {n_ctx}, not {chunks}")
+    if reference not in REFERENCE_ENGINES:
+        raise StudyError(f"corpus: reference must be one of {', '.join(REFERENCE_ENGINES)}")
+    meta = {
+        "model_sha256": sha256_file(f32_path),
+        "setting": {"engine": ENGINES[reference]},
+        "text": {"corpus": corpus},
+        "tokens_sha256": hashlib.sha256(wins.tokens.tobytes()).hexdigest(),
+    }
+    key = hashlib.sha256(json.dumps([meta, n_ctx, fmt], sort_keys=True).encode()).hexdigest()
+    path = (
+        defaults.cache_dir() / "corpus-bases" / f"{corpus}-{n_ctx}x{chunks}-{fmt}-{key[:16]}.base"
+    )
+    with exclusive(path.with_suffix(".lock")):
+        if not path.exists():
+            if reference == "transformers":
+                from qllama.reference import load_transformers
+
+                scorer = perplexity.transformers_scorer(load_transformers(f32_path))
+            else:
+                from qllama.loader import load
+
+                scorer = perplexity.qllama_scorer(load(f32_path, dequantize_all=True))
+            writer = kld_base.BaseWriter(
+                path, fmt, n_ctx=n_ctx, n_vocab=tokenizer.n_vocab, tokens=wins.tokens, meta=meta
+            )
+            with writer:
+                perplexity.run(scorer, wins, save=writer)
+    return kld_base.BaseFile.open(path)
+
+
+@register(
+    "corpus",
+    defaults={
+        "corpus": "botchan",
+        "n_ctx": 512,
+        "chunks": 16,
+        "base_format": "f32",
+        "f32": None,
+        "reference": "transformers",
+    },
+    files=("f32",),
+    about="perplexity and KL divergence over a corpus against transformers f32, as "
+    "llama-perplexity computes them",
+)
+def corpus_measure(model: Any, ref: Reference, options: Mapping[str, Any]) -> dict[str, Any]:
+    """:func:`qllama.perplexity.measure` of the cell's model over ``chunks`` windows of
+    ``n_ctx`` tokens of ``corpus`` (:mod:`qllama.corpus`), against transformers f32 on the F32
+    variant ``f32`` (the base, :func:`corpus_base`). The prompt of the cell is not used."""
+    from qllama import perplexity
+
+    if options["f32"] is None:
+        raise StudyError("measure 'corpus' needs f32 = the F32 variant's name")
+    base = corpus_base(
+        str(options["f32"]),
+        str(options["corpus"]),
+        int(options["n_ctx"]),
+        int(options["chunks"]),
+        str(options["base_format"]),
+        str(options["reference"]),
+    )
+    return perplexity.measure(model, base, n_chunks=int(options["chunks"]))

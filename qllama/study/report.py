@@ -23,6 +23,7 @@ import numpy as np
 from qllama.atomic import atomic_write
 from qllama.compare import fork
 from qllama.metrics import kl_stats, top_k
+from qllama.study import corpus_report, drift_report
 from qllama.study.cache import CellResult
 
 # --- collect -----------------------------------------------------------------------------------
@@ -60,7 +61,10 @@ def _study_info(plan: Any) -> dict[str, Any]:
             for d in s.draws
             if not d.optional
         },
-        "measures": [m.name for m in s.measures],
+        "measures": list(dict.fromkeys(m.name for m in s.measures)),
+        "measure_specs": [
+            {"name": m.name, "options": dict(m.options), "cells": list(m.cells)} for m in s.measures
+        ],
         "cross": [list(p) for p in s.cross],
         "compare": [{"a": c.a, "b": c.b, "prompts": list(c.prompts)} for c in s.compare],
     }
@@ -397,11 +401,39 @@ def _generic(name: str) -> Callable[[PromptView], list[str]]:
     return section
 
 
+def _traces(data: Mapping[str, Any], prompt: str) -> dict[str, Any]:
+    """The layer traces of one prompt's cells, each beside its F32 control."""
+    study = data["study"]
+    spec = next((m for m in study.get("measure_specs", []) if m["name"] == "layer_trace"), None)
+    if spec is None:
+        return {}
+    control = spec["options"].get("f32") or next(iter(study["variants"]))
+    entry = data["prompts"][prompt]
+    ref = entry["reference"]
+    return drift_report.traces(
+        entry["cells"],
+        list(study["variants"]),
+        list(study["settings"]),
+        control,
+        ref["prompt_tokens"] + ref["length"],
+    )
+
+
+def section_layer_trace(pv: PromptView) -> list[str]:
+    data = {"study": pv.study, "prompts": {pv.name: pv.p}}
+    spec = next(m for m in pv.study["measure_specs"] if m["name"] == "layer_trace")
+    reference = spec["options"].get("reference", "transformers")
+    return drift_report.section_layer_trace(_traces(data, pv.name), pv.name, _table, reference)
+
+
 SECTIONS: dict[str, Callable[[PromptView], list[str]]] = {
     "last_position": section_last_position,
     "teacher_forcing": section_teacher_forcing,
     "teacher_forcing_batched": lambda pv: [],  # a column of teacher forcing's KL table
     "free_generation": section_free_generation,
+    "attribution": lambda pv: drift_report.section_attribution(pv.p["cells"], _table),
+    "layer_trace": section_layer_trace,
+    "corpus": lambda pv: [],  # its own section, before the prompts (corpus_report)
 }
 
 
@@ -570,6 +602,9 @@ def summary(data: dict[str, Any], outcomes: Sequence[Any]) -> list[str]:
             *_table(["cell", *prompts], rows),
             "![median per-step max |Δlogit| by prompt](plots/summary.png)\n",
         ]
+    out += drift_report.summary_attribution(data["prompts"], _table)
+    spec = next((m for m in data["study"].get("measure_specs", []) if m["name"] == "corpus"), None)
+    out += corpus_report.section(data["prompts"], spec["options"] if spec else {}, _table)
     return out
 
 
@@ -635,6 +670,11 @@ def tables(data: dict[str, Any], outcomes: Sequence[Any]) -> str:
 
 
 def plots(data: dict[str, Any], folder: Path) -> None:
+    for p in data["prompts"]:
+        reports = _traces(data, p)
+        if reports:
+            folder.mkdir(parents=True, exist_ok=True)
+            drift_report.plot_traces(reports, p, folder)
     if "teacher_forcing" not in data["study"]["measures"]:
         return
     import matplotlib

@@ -27,6 +27,7 @@ from qllama.study.cells import Cell, arithmetic, content_key, measure_specs, pro
 from qllama.study.declaration import Draw, Study, StudyError
 from qllama.study.executors import Job, Local
 from qllama.study.executors import executor as make_executor
+from qllama.study.measures import variants_named
 from qllama.study.references import (
     ReferenceStore,
     ReferenceTask,
@@ -214,12 +215,19 @@ def plan_cells(plan: Plan, chosen: Sequence[Cell]) -> None:
         measures = measure_specs(study, cell)
         ref = plan.reference(cell.prompt, cell.draw)
         variant = plan.variants[cell.variant]
+        files = {}
+        for spec in measures:
+            for name in variants_named(spec):
+                if name not in plan.variants:
+                    raise StudyError(f"measure {spec.name!r} names {name!r}, not a variant")
+                files[name] = plan.variants[name]
         key = content_key(
             file_sha256=variant.sha256,
             reference_key=ref.meta["key"],
             how=how,
             measures=measures,
             threads=study.threads,
+            files={n: f.sha256 for n, f in files.items()},
         )
         path = (
             plan.reference_paths.get((cell.prompt, cell.draw))
@@ -236,6 +244,7 @@ def plan_cells(plan: Plan, chosen: Sequence[Cell]) -> None:
             str(path),
             ref.meta["key"],
             _memory_mb(variant, dict(how.options), ref),
+            files=files,
         )
 
 

@@ -51,6 +51,7 @@ class CellTask:
     reference_key: str
     memory_mb: int = 2048
     meta: Mapping[str, Any] = field(default_factory=dict)
+    files: Mapping[str, VariantFile] = field(default_factory=dict)  # the measures' other files
 
 
 def limit_threads(n: int) -> None:
@@ -138,10 +139,11 @@ def run_cell(task: CellTask, reference: bytes | None = None) -> CellResult:
         task.how.engine, path, task.how.backend, task.how.options, task.threads
     )
     limit_threads(task.threads)  # the backend may have loaded a library of its own
+    files = {name: str(resolve(f, task.source)) for name, f in task.files.items()}
     numbers: dict[str, Any] = {}
     arrays: dict[str, np.ndarray] = {}
     for spec in task.measures:
-        nums, arrs = measures.run(spec, model, ref)
+        nums, arrs = measures.run(spec, model, ref, files)
         numbers[spec.name] = nums
         arrays |= {f"{spec.name}.{k}": v for k, v in arrs.items()}
     c = task.cell
@@ -224,8 +226,9 @@ def isolated(fn: Any, *args: Any, env: Mapping[str, str]) -> Any:
     return value
 
 
-def _watch_parent() -> None:
-    """Exit when the parent dies (a killed worker must not leave its child running)."""
+def watch_parent() -> None:
+    """Exit when the parent dies (a killed driver or worker must not leave its children
+    running): a thread that polls the parent's pid."""
     parent = os.getppid()
 
     def watch() -> None:
@@ -238,7 +241,7 @@ def _watch_parent() -> None:
 
 
 def _child_main() -> int:
-    _watch_parent()
+    watch_parent()
     fn, args = pickle.loads(sys.stdin.buffer.read())
     try:
         out = ("ok", fn(*args))

@@ -1,0 +1,77 @@
+"""The report's corpus section: the ``corpus`` measure (:mod:`qllama.study.measures`) of every
+cell that has it, as llama-perplexity's numbers, one row per file and arithmetic.
+
+The measure does not depend on the cell's prompt, so a study asks for it in the cells of one
+prompt; the section stands on its own, before the prompts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+FLOORS = {
+    "f32": "float32 logits: no resolution floor",
+    "llama": "llama.cpp's uint16 log-probs: a KLD below about 1e-4 is not resolved",
+}
+Table = Callable[[Sequence[str], Sequence[Sequence[Any]]], list[str]]
+
+
+def corpus_cells(prompts: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
+    """``variant-setting`` -> the corpus numbers, from whichever prompt's cells hold them."""
+    out = {}
+    for entry in prompts.values():
+        for label, c in entry["cells"].items():
+            if "corpus" in c["measures"]:
+                out[label] = c["measures"]["corpus"]
+    return out
+
+
+def section(prompts: Mapping[str, Any], options: Mapping[str, Any], table: Table) -> list[str]:
+    """PPL with its ±, the KL statistics, same top and RMS Δp against the base."""
+    cells = corpus_cells(prompts)
+    if not cells:
+        return []
+    first = next(iter(cells.values()))
+    rows = [
+        [
+            label,
+            f"{m['ppl']:.4f} ± {m['ppl_unc']:.4f}",
+            f"{m['ln_ppl_ratio']:+.5f} ± {m['ln_ppl_ratio_unc']:.5f}",
+            f"{m['mean_kld']:.3e} ± {m['mean_kld_unc']:.1e}",
+            f"{m['kld']['median']:.2e}",
+            f"{m['kld']['99%']:.2e}",
+            f"{m['kld']['max']:.3g}",
+            f"{100 * m['same_top']:.2f} ± {100 * m['same_top_unc']:.2f}%",
+            f"{100 * m['rms_dp']:.3f}%",
+        ]
+        for label, m in cells.items()
+    ]
+    base = (
+        "transformers f32 (eager, CPU)"
+        if options.get("reference", "transformers") == "transformers"
+        else "qllama's dequantize-all"
+    )
+    return [
+        "## Corpus: perplexity and KL divergence\n",
+        f"`{options.get('corpus', 'botchan')}` (docs/perplexity.md), {first['windows']} windows "
+        f"of {first['n_ctx']} tokens ({first['windows'] * first['n_ctx']} tokens), "
+        f"{first['tokens']} scored positions (the second half of each window), as "
+        f"llama-perplexity computes them, against the base {base} on the F32 file, stored as "
+        f"`{first['base_format']}` ({FLOORS.get(first['base_format'], '')}). PPL(base) = "
+        f"{first['ppl_ref']:.4f}. ± is one standard error, llama-perplexity's.\n",
+        *table(
+            [
+                "cell",
+                "PPL",
+                "ln(PPL/PPL(base))",
+                "mean KLD",
+                "median KLD",
+                "99% KLD",
+                "max KLD",
+                "same top",
+                "RMS Δp",
+            ],
+            rows,
+        ),
+    ]
