@@ -433,27 +433,11 @@ def cmd_attribute(args: argparse.Namespace) -> int:
 # --- perplexity -------------------------------------------------------------------------------
 
 
-def _corpus_text(spec: str) -> tuple[str, dict[str, Any]]:
-    """The text of ``--text``: ``corpus:NAME`` (a packaged corpus) or a UTF-8 file."""
-    import hashlib
-
-    from qllama import corpus
-
-    if spec.startswith("corpus:"):
-        name = spec.split(":", 1)[1]
-        text = corpus.text(name)
-        source = {"corpus": name, "title": corpus.CORPORA[name].title}
-    else:
-        with open(spec, encoding="utf-8", errors="replace") as f:
-            text = f.read()
-        source = {"file": os.path.basename(spec)}
-    return text, {**source, "sha256": hashlib.sha256(text.encode()).hexdigest()}
-
-
 def cmd_perplexity(args: argparse.Namespace) -> int:
     import time
 
     from qllama import kld_base, metrics, perplexity
+    from qllama.corpus import from_spec as corpus_text
     from qllama.model_files import sha256_file
     from qllama.tokenizer import Tokenizer
 
@@ -468,7 +452,7 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
             base = base.head(min(args.chunks, base.header.n_chunk))
             wins = perplexity.Windows(base.tokens, wins.bos)
         if args.text:
-            ids = perplexity.tokenize(tokenizer, _corpus_text(args.text)[0])
+            ids = perplexity.tokenize(tokenizer, corpus_text(args.text)[0])
             given = perplexity.windows(ids, n_ctx, n_chunks=wins.n_chunk, bos=wins.bos)
             if not np.array_equal(given.tokens, wins.tokens):
                 raise QllamaError(f"--text does not give the tokens {base.path} was made on")
@@ -476,7 +460,7 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
     else:
         if not args.text:
             raise QllamaError("give --text (a file, or corpus:NAME) or --kl-divergence-base")
-        text, text_source = _corpus_text(args.text)
+        text, text_source = corpus_text(args.text)
         ids = perplexity.tokenize(tokenizer, text)
         bos = tokenizer.bos_id if tokenizer.add_bos else None
         wins = perplexity.windows(ids, n_ctx, n_chunks=args.chunks, bos=bos)

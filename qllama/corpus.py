@@ -17,9 +17,11 @@ and licence are in docs/perplexity.md.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from qllama import defaults
 from qllama.errors import FetchError
@@ -90,4 +92,18 @@ def text(name: str, *, cache: str | os.PathLike[str] | None = None) -> str:
     return body(fetch(name, cache=cache).read_text(encoding="utf-8"), corpus)
 
 
-__all__ = ["CORPORA", "Corpus", "body", "cached_path", "fetch", "text"]
+def from_spec(spec: str) -> tuple[str, dict[str, Any]]:
+    """A text named as the CLI's ``--text`` names it: ``corpus:NAME`` (a packaged corpus) or
+    the path of a UTF-8 file; with where it came from and its sha256."""
+    if spec.startswith("corpus:"):
+        name = spec.split(":", 1)[1]
+        body_text = text(name)
+        source: dict[str, Any] = {"corpus": name, "title": _corpus(name).title}
+    else:
+        with open(spec, encoding="utf-8", errors="replace") as f:
+            body_text = f.read()
+        source = {"file": os.path.basename(spec)}
+    return body_text, {**source, "sha256": hashlib.sha256(body_text.encode()).hexdigest()}
+
+
+__all__ = ["CORPORA", "Corpus", "body", "cached_path", "fetch", "from_spec", "text"]

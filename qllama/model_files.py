@@ -22,7 +22,7 @@ import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from qllama import defaults
 from qllama.atomic import atomic_write
@@ -179,9 +179,18 @@ def variant(name: str, file_type: str, *, cache: str | os.PathLike[str] | None =
     return quantized_once(source, path, label, stamp)
 
 
-def quantized_once(source: Path, path: Path, label: str, stamp: Mapping[str, object]) -> Path:
-    """``source`` quantized to file type ``label`` at ``path``, unless the marker beside it
-    (``.built``) says it was built from the same ``stamp`` and the file is unchanged since."""
+def quantized_once(
+    source: Path,
+    path: Path,
+    label: str,
+    stamp: Mapping[str, object],
+    *,
+    imatrix: Any = None,
+) -> Path:
+    """``source`` quantized to file type ``label`` at ``path`` (with the importance matrix
+    ``imatrix``: a file, or an :class:`~qllama.file_quantizer.ImatrixInput`), unless the
+    marker beside it (``.built``) says it was built from the same ``stamp`` and the file is
+    unchanged since."""
     from qllama.file_quantizer import quantize_file
 
     marker = path.with_name(path.name + ".built")
@@ -190,7 +199,7 @@ def quantized_once(source: Path, path: Path, label: str, stamp: Mapping[str, obj
             return path
     except (OSError, ValueError):
         pass
-    quantize_file(source, path, label)
+    quantize_file(source, path, label, imatrix=imatrix)
     with atomic_write(marker, "w") as f:
         json.dump({**stamp, "stamp": _stamp(path)}, f)
     return path

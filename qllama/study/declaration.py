@@ -39,15 +39,18 @@ class Variant:
 
     ``type`` is a file type (``F32``, ``Q8_0``, ``Q4_K_M``...; ``F32`` is the source
     dequantized, every other type is quantized from that F32 file, as llama-quantize would) or
-    ``source`` (the source file as it is). ``imatrix`` names an importance-matrix file and
-    ``imatrix_corpus`` a text to compute one from; both are part of the variant's identity and
-    need the imatrix quantizer (issue 11) to build.
+    ``source`` (the source file as it is). ``imatrix`` names an importance-matrix file (GGUF or
+    legacy ``.dat``; a relative path is the declaration folder's) and ``imatrix_corpus`` a text
+    to compute one from (``corpus:botchan`` or a file), at most ``imatrix_chunks`` windows of
+    it: the type is then quantized with it as llama-quantize ``--imatrix`` does, and the
+    matrix's hash is part of the file's name.
     """
 
     type: str
     name: str = ""
     imatrix: str | None = None
     imatrix_corpus: str | None = None
+    imatrix_chunks: int | None = None  # of imatrix_corpus, 512 tokens each (default: all)
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -304,6 +307,8 @@ def check(study: Study) -> None:
     for v in study.variants:
         if v.imatrix and v.imatrix_corpus:
             raise StudyError(f"variant {v.name!r}: give an imatrix or a corpus, not both")
+        if v.imatrix_chunks is not None and (not v.imatrix_corpus or v.imatrix_chunks < 1):
+            raise StudyError(f"variant {v.name!r}: imatrix_chunks is a positive count of a corpus")
 
 
 def _measure_cells(study: Study) -> None:
@@ -439,7 +444,7 @@ def from_dict(doc: Mapping[str, Any], folder: Path = Path(".")) -> Study:
         threads=doc.get("threads", 1),
         measures=_measures(doc.get("measures", [])),
         variants=tuple(
-            Variant(**_strict(Variant, t, f"[[variant]] #{i + 1}"))
+            _variant(_strict(Variant, t, f"[[variant]] #{i + 1}"), folder)
             for i, t in enumerate(_items(doc, "variant"))
         ),
         settings=tuple(
@@ -462,6 +467,16 @@ def from_dict(doc: Mapping[str, Any], folder: Path = Path(".")) -> Study:
         ),
         folder=folder,
     )
+
+
+def _variant(kw: dict[str, Any], folder: Path) -> Variant:
+    """A variant, its imatrix file or corpus file relative to the declaration's folder."""
+    if kw.get("imatrix") and not Path(kw["imatrix"]).is_absolute():
+        kw["imatrix"] = str(folder / kw["imatrix"])
+    corpus = kw.get("imatrix_corpus")
+    if corpus and not corpus.startswith("corpus:") and not Path(corpus).is_absolute():
+        kw["imatrix_corpus"] = str(folder / corpus)
+    return Variant(**kw)
 
 
 def load_study(path: str | Path) -> Study:

@@ -8,6 +8,7 @@ writes the same bytes as the driver did: :func:`resolve` checks the sha256 eithe
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -74,10 +75,7 @@ def build(
     from qllama.model_files import variant as named_variant
 
     if variant.imatrix or variant.imatrix_corpus:
-        raise StudyError(
-            f"variant {variant.name!r} names an importance matrix, which needs qllama's imatrix "
-            "quantizer (issue 11); this version quantizes without one"
-        )
+        return _with_imatrix(source, variant, cache)
     if variant.type == "source":
         path = fetch(str(source), cache=cache) if source in MODELS else Path(source)
     else:
@@ -89,6 +87,65 @@ def build(
     if not Path(path).is_file():
         raise StudyError(f"the model file {path} does not exist")
     return VariantFile(variant, str(path), file_sha256(path))
+
+
+def _with_imatrix(
+    source: str | Path, variant: Variant, cache: str | os.PathLike[str] | None
+) -> VariantFile:
+    """``variant`` quantized from the F32 file with its importance matrix, as llama-quantize
+    ``--imatrix`` does: the file it names, or one computed from its corpus as llama-imatrix
+    computes it (the CPU arithmetic on the F32 file, windows of 512), kept in the cache."""
+    from qllama import __version__
+    from qllama.file_quantizer import file_type, load_imatrix
+    from qllama.gguf_reader import read_gguf
+    from qllama.model_files import quantized_once
+
+    if variant.type in ("source", "F32"):
+        raise StudyError(f"variant {variant.name!r}: an importance matrix needs a quantized type")
+    f32 = Path(build(source, Variant("F32"), cache=cache).path)
+    folder = defaults.cache_dir(cache) / "study-variants" / file_sha256(f32)[:16]
+    if variant.imatrix:
+        matrix = Path(variant.imatrix)
+        if not matrix.is_file():
+            raise StudyError(f"variant {variant.name!r}: no imatrix file {matrix}")
+    else:
+        matrix = _computed_imatrix(f32, variant, folder)
+    label = file_type(variant.type).label
+    digest = file_sha256(matrix)
+    path = folder / f"{f32.stem.removesuffix('.F32')}.{label}-imatrix-{digest[:12]}.gguf"
+    stamp = {"source_sha256": file_sha256(f32), "imatrix_sha256": digest, "qllama": __version__}
+    # llama-quantize records the matrix's path as given (quantize.imatrix.file); the file's
+    # name alone keeps the variant's bytes, and so its hash, the same on every machine
+    with read_gguf(f32) as f:
+        given = dataclasses.replace(load_imatrix(matrix, f), file=matrix.name)
+    quantized_once(f32, path, label, stamp, imatrix=given)
+    return VariantFile(variant, str(path), file_sha256(path))
+
+
+def _computed_imatrix(f32: Path, variant: Variant, folder: Path) -> Path:
+    """The importance matrix of ``variant.imatrix_corpus`` on ``f32`` (cached by content)."""
+    import hashlib
+
+    from qllama import __version__
+    from qllama.atomic import exclusive
+    from qllama.corpus import from_spec
+    from qllama.imatrix import from_corpus, write_imatrix
+
+    assert variant.imatrix_corpus is not None
+    text, origin = from_spec(variant.imatrix_corpus)
+    what = [file_sha256(f32), origin["sha256"], variant.imatrix_chunks, __version__]
+    key = hashlib.sha256(json.dumps(what).encode()).hexdigest()[:16]
+    path = folder / f"imatrix-{key}.gguf"
+    with exclusive(path.with_suffix(".lock")):
+        if not path.is_file():
+            m = from_corpus(
+                f32,
+                text,
+                n_chunks=variant.imatrix_chunks,
+                dataset=origin.get("corpus") or origin.get("file"),
+            )
+            write_imatrix(path, m)
+    return path
 
 
 def resolve(

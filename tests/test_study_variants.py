@@ -1,0 +1,100 @@
+"""A study's files (qllama/study/variants.py): quantized with an importance matrix, given as a
+file or computed from a corpus as llama-imatrix does, cached, and part of the cells' keys."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from qllama.file_quantizer import load_imatrix, quantize_file
+from qllama.gguf_reader import read_gguf
+from qllama.imatrix import from_corpus, write_imatrix
+from qllama.model_files import sha256_file
+from qllama.study import StudyError
+from qllama.study.declaration import Variant, from_dict
+from qllama.study.variants import build
+from qllama.synthetic import TinyConfig, write_tiny_llama
+
+# byte-level BPE: about a token a character; two windows of 512 need 1,024
+TEXT = " ".join(f"Line {i}: the tide is {'low' if i % 4 else 'high'} at noon." for i in range(90))
+
+
+@pytest.fixture
+def folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("QLLAMA_CACHE", str(tmp_path / "cache"))
+    write_tiny_llama(tmp_path / "tiny.gguf", TinyConfig(n_ctx=1024))
+    (tmp_path / "calib.txt").write_text(TEXT)
+    return tmp_path
+
+
+def study_with(folder, **variant):
+    doc = {
+        "name": "t",
+        "model": "tiny.gguf",
+        "measures": ["last_position"],
+        "reference": {"kind": "qllama"},
+        "variant": [{"type": "F32"}, {"type": "Q4_0"}, {"name": "Q4_0-imatrix", **variant}],
+        "setting": [{"name": "cpu"}],
+        "prompt": [{"name": "p", "text": "hello"}],
+    }
+    return from_dict(doc, folder)
+
+
+def test_a_variant_computed_from_a_corpus_is_llama_quantize_with_llama_imatrix(folder):
+    study = study_with(folder, type="Q4_0", imatrix_corpus="calib.txt", imatrix_chunks=2)
+    v = study.variant("Q4_0-imatrix")
+    assert v.imatrix_corpus == str(folder / "calib.txt")  # the declaration's folder
+    got = build(study.model_source(), v)
+    plain = build(study.model_source(), study.variant("Q4_0"))
+    f32 = build(study.model_source(), study.variant("F32"))
+    assert "imatrix" in got.path and got.sha256 != plain.sha256
+    # the same steps by hand: the matrix of the F32 file over the text, then the quantizer,
+    # given the matrix by its file name (what the variant records, on any machine)
+    (cached,) = (folder / "cache" / "study-variants").glob("*/imatrix-*.gguf")
+    hand = folder / "hand" / cached.name
+    hand.parent.mkdir()
+    write_imatrix(hand, from_corpus(f32.path, TEXT, n_chunks=2, dataset="calib.txt"))
+    assert sha256_file(hand) == sha256_file(cached)
+    with read_gguf(f32.path) as f:
+        given = replace(load_imatrix(hand, f), file=cached.name)
+    quantize_file(f32.path, folder / "by-hand-q4.gguf", "Q4_0", imatrix=given)
+    assert sha256_file(folder / "by-hand-q4.gguf") == got.sha256
+    # built once: a second build finds the matrix and the file in the cache
+    before = cached.stat().st_mtime_ns
+    assert build(study.model_source(), v) == got
+    assert cached.stat().st_mtime_ns == before
+
+
+def test_a_variant_with_an_imatrix_file(folder):
+    f32 = build(folder / "tiny.gguf", Variant("F32"))
+    write_imatrix(folder / "m.gguf", from_corpus(f32.path, TEXT, n_chunks=2))
+    study = study_with(folder, type="Q4_0", imatrix="m.gguf")
+    got = build(study.model_source(), study.variant("Q4_0-imatrix"))
+    # llama-quantize run in the declaration's folder, given "m.gguf"
+    with read_gguf(f32.path) as f:
+        given = load_imatrix(folder / "m.gguf", f)
+    quantize_file(f32.path, folder / "by-hand.gguf", "Q4_0", imatrix=replace(given, file="m.gguf"))
+    assert got.sha256 == sha256_file(folder / "by-hand.gguf")
+
+
+@pytest.mark.parametrize(
+    ("variant", "message"),
+    [
+        ({"type": "Q4_0", "imatrix": "m.dat", "imatrix_corpus": "corpus:botchan"}, "not both"),
+        ({"type": "Q4_0", "imatrix": "m.dat", "imatrix_chunks": 3}, "imatrix_chunks"),
+        ({"type": "Q4_0", "imatrix_corpus": "calib.txt", "imatrix_chunks": 0}, "imatrix_chunks"),
+    ],
+)
+def test_bad_imatrix_variants_are_refused(folder, variant, message):
+    with pytest.raises(StudyError, match=message):
+        study_with(folder, **variant)
+
+
+def test_a_missing_imatrix_file_or_an_f32_variant_is_refused(folder):
+    study = study_with(folder, type="Q4_0", imatrix="nowhere.gguf")
+    with pytest.raises(StudyError, match="no imatrix file"):
+        build(study.model_source(), study.variant("Q4_0-imatrix"))
+    study = study_with(folder, type="F32", imatrix_corpus="calib.txt")
+    with pytest.raises(StudyError, match="needs a quantized type"):
+        build(study.model_source(), study.variant("Q4_0-imatrix"))
