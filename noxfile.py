@@ -75,8 +75,10 @@ def experiments(session: nox.Session) -> None:
     `-- --cells 'cpu-cache/*'` runs some cells, `-- --report-only` rebuilds the report,
     `-- --executor dask --scheduler ADDRESS` runs on a cluster (docs/studies.md).
     """
-    session.install(TORCH)
-    session.install("-e", ".[torch,jax,fast,plot]")
+    # reference: transformers runs the F32 file in the cells too (the layer trace's hooks,
+    # the corpus base), at the reference's versions
+    session.install(TORCH, *REFERENCE)
+    session.install("-e", ".[torch,jax,fast,plot,reference]")
     session.run("qllama", "study", "run", SEED, "--docs", "docs", *session.posargs)
 
 
@@ -113,8 +115,8 @@ def peers(session: nox.Session) -> None:
 @nox.session(name="study-peers", requires=["reference"])
 def study_peers(session: nox.Session) -> None:
     """The seed study with llama.cpp's own CPU run as one more draw (builds llama-cpp-python)."""
-    session.install(TORCH)
-    session.install("-e", ".[torch,jax,fast,plot]")
+    session.install(TORCH, *REFERENCE)
+    session.install("-e", ".[torch,jax,fast,plot,reference]")
     session.install(llama_cpp_wheel(session))
     session.run(
         "qllama", "study", "run", SEED, "--draw", "llama.cpp", "--docs", "docs", *session.posargs

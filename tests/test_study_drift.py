@@ -13,6 +13,7 @@ from study_support import write_study
 from qllama.attribution import CLASSES
 from qllama.study import Options, StudyError, load_study, run
 from qllama.study.cells import measure_specs, product
+from qllama.study.declaration import MeasureSpec
 from qllama.study.runner import Plan, build_variants, plan_cells, plan_references
 
 DRIFT = (
@@ -125,3 +126,21 @@ def test_a_file_option_must_name_a_variant(tmp_path):
     study = load_study(write_study(tmp_path, measures=measures))
     with pytest.raises(StudyError, match="names 'F16', not a variant"):
         run(study, Options(results=tmp_path / "results", executor="local"))
+
+
+@pytest.mark.parametrize("measure", ["layer_trace", "corpus"])
+def test_a_transformers_measure_without_transformers_says_what_to_install(monkeypatch, measure):
+    import importlib.util
+
+    from qllama.study import measures
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "transformers" else real(name, *a),
+    )
+    m = measures.get(measure)
+    options = m.options({"f32": "unused.gguf"})
+    with pytest.raises(StudyError, match=r"pip install 'qllama\[reference\]'"):
+        measures.run(MeasureSpec(measure, options), None, None, {"unused.gguf": "unused.gguf"})

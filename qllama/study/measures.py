@@ -20,6 +20,7 @@ import dataclasses
 import functools
 import hashlib
 import importlib
+import importlib.util
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -238,6 +239,17 @@ REFERENCE_ENGINES = ("transformers", "qllama")
 ENGINES = {"transformers": "transformers f32 eager", "qllama": "qllama numpy dequantize-all"}
 
 
+def _reference_engine(measure: str, reference: str) -> None:
+    """Refuse an unknown engine, or transformers where it is not installed, by name."""
+    if reference not in REFERENCE_ENGINES:
+        raise StudyError(f"{measure}: reference must be one of {', '.join(REFERENCE_ENGINES)}")
+    if reference == "transformers" and importlib.util.find_spec("transformers") is None:
+        raise StudyError(
+            f"measure {measure!r} runs transformers on the F32 variant, and transformers is not "
+            "installed here: pip install 'qllama[reference]' (nox -s experiments installs it)"
+        )
+
+
 @functools.lru_cache(maxsize=1)  # the cells of one prompt share it
 def _reference_trace(path: str, tokens: tuple[int, ...], qkv: bool, kind: str) -> Any:
     from qllama.observe import record
@@ -271,8 +283,7 @@ def layer_trace_measure(model: Any, ref: Reference, options: Mapping[str, Any]) 
 
     if options["f32"] is None:
         raise StudyError("measure 'layer_trace' needs f32 = the F32 variant's name")
-    if options["reference"] not in REFERENCE_ENGINES:
-        raise StudyError(f"layer_trace: reference must be one of {', '.join(REFERENCE_ENGINES)}")
+    _reference_engine("layer_trace", str(options["reference"]))
     tokens = tuple(int(t) for t in ref.tokens)
     reference = _reference_trace(
         str(options["f32"]), tokens, bool(options["qkv"]), str(options["reference"])
@@ -300,14 +311,13 @@ def corpus_base(
     from qllama.model_files import sha256_file
     from qllama.tokenizer import Tokenizer
 
+    _reference_engine("corpus", reference)  # before anything is read
     tokenizer = Tokenizer.from_gguf(f32_path)
     ids = perplexity.tokenize(tokenizer, corpora.text(corpus))
     bos = tokenizer.bos_id if tokenizer.add_bos else None
     wins = perplexity.windows(ids, n_ctx, n_chunks=chunks, bos=bos)
     if wins.n_chunk < chunks:
         raise StudyError(f"corpus {corpus!r} has {wins.n_chunk} windows of {n_ctx}, not {chunks}")
-    if reference not in REFERENCE_ENGINES:
-        raise StudyError(f"corpus: reference must be one of {', '.join(REFERENCE_ENGINES)}")
     meta = {
         "model_sha256": sha256_file(f32_path),
         "setting": {"engine": ENGINES[reference]},
