@@ -9,9 +9,10 @@ here or an import path ``"package.module:function"`` (a function registered with
     @register("my_measure", defaults={"k": 3}, about="what it measures")
     def my_measure(model, reference, options): ...
 
-Measures that need the whole forward pass at every layer (a trace, an attribution) or a
-corpus (perplexity) are added the same way; the cell's key includes each measure's name and
-options, so adding one reruns only what it touches.
+Measures that need the whole forward pass at every layer (``layer_trace``), many passes
+(``attribution``) or a corpus (``corpus``) are registered the same way, and a study limits
+them to some cells (``cells`` patterns on a measure). A cell's key includes the name and
+options of each measure that runs in it, so adding one reruns only the cells it is added to.
 """
 
 from __future__ import annotations
