@@ -391,20 +391,31 @@ def error_enters_in_block_0(view: View) -> Iterator[Check]:
 
 # The CPU arithmetic's residual error is above the GPU's after every block: the activation
 # rounding adds at each block, not at one. Measured cpu/gpu relative L2 after each block:
-# Q8_0 1.25 to 2.13, Q4_K_M 1.03 to 1.14 (its 5-bit weights dominate, as the findings above
-# say). Asserted as an ordering at every point (the relative L2 averages 337 x 576 values).
-def cpu_above_gpu_at_every_layer(view: View) -> Iterator[Check]:
-    for v in QUANTIZED:
-        cpu, gpu = _trace(view, v, "cpu"), _trace(view, v, "gpu")
-        if cpu is None or gpu is None:
-            continue
+# Q8_0 1.25 to 2.13, asserted as an ordering at every point. Q4_K_M 1.03 to 1.14: its 5-bit
+# weights dominate (as above), and 3% is within what another machine's draw of the roundings
+# could move, while the layer trace runs in the base draw only: reported, not asserted.
+def _cpu_over_gpu(view: View, variant: str) -> Iterator[Check]:
+    cpu, gpu = _trace(view, variant, "cpu"), _trace(view, variant, "gpu")
+    if cpu is not None and gpu is not None:
         ratios = [
             cpu["errors"][n]["rel_l2"] / gpu["errors"][n]["rel_l2"] for n in cpu["residual"][1:]
         ]
         r = min(ratios)
         yield Check(
-            f"{v}-cpu / {v}-gpu", "smallest ratio of rel L2 over the layers", r, "> 1", r > 1.0
+            f"{variant}-cpu / {variant}-gpu",
+            "smallest ratio of rel L2 over the layers",
+            r,
+            "> 1",
+            r > 1.0,
         )
+
+
+def cpu_above_gpu_at_every_layer(view: View) -> Iterator[Check]:
+    return _cpu_over_gpu(view, "Q8_0")
+
+
+def q4_cpu_above_gpu_at_every_layer(view: View) -> Iterator[Check]:
+    return _cpu_over_gpu(view, "Q4_K_M")
 
 
 # --- 9. the same findings over a corpus ---------------------------------------------------------
