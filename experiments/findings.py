@@ -275,9 +275,10 @@ def cpu_tokens_differ(view: View) -> Iterator[Check]:
 
 
 # --- 7. where the drift enters: attribution by tensor class ----------------------------------
-# The `attribution` cells (Q8_0-cpu: activations rounded to Q8 for one class at a time, the
-# rest f32; Q4_K_M-dequantize-all: one class's weights in the F32 file at a time) on every
-# prompt's base draw. A class's share is its excess mean KLD over the whole's excess.
+# The `attribution` cells on every prompt: Q8_0-cpu in every draw (activations rounded to Q8
+# for one class at a time, the rest f32), so these checks hold against the CPU arithmetic's
+# band, and Q4_K_M-dequantize-all (one class's weights in the F32 file at a time; float order
+# only). A class's share is its excess mean KLD over the whole's excess.
 
 
 def _attribution(view: View, variant: str, setting: str) -> dict | None:
@@ -290,28 +291,35 @@ def _shares(a: dict) -> dict[str, float]:
     return {p["group"]: p["excess_mean_kld"] / whole for p in a["parts"]}
 
 
-ATTRIBUTED = (("Q8_0", "cpu", "activations"), ("Q4_K_M", "dequantize-all", "weights"))
-
-# No class carries half of either error: there is no one tensor whose rounding to change.
-# Measured, largest share on any prompt: 38.5% (Q8_0 activations: ffn_down on code, attn_v
-# 38.0% there) and 32.5% (Q4_K_M weights: attn_v on code). A half is the line between "one
-# cause" and "spread"; a mis-grouped attribution (every tensor in one class) gives 100%.
+# No class carries half of the error: there is no one tensor whose rounding to change. A half
+# is the line between "one cause" and "spread"; a mis-grouped attribution (every tensor in one
+# class) gives 100%. Q4_K_M's weights: largest share on any prompt 32.5% (attn_v on code),
+# float order only, so the same on every machine: asserted. Q8_0's activation rounding: 38.5%
+# in the base draw (ffn_down on code), but up to 49.3% in a draw (attn_v on fact, whose 8
+# steps make each class's excess a few large differences): reported, not asserted.
 ONE_CLASS = 0.5
 
 
-def attribution_is_spread(view: View) -> Iterator[Check]:
-    for v, s, kind in ATTRIBUTED:
-        a = _attribution(view, v, s)
-        if a is None:
-            continue
+def _spread(view: View, variant: str, setting: str) -> Iterator[Check]:
+    a = _attribution(view, variant, setting)
+    if a is not None:
         group, share = max(_shares(a).items(), key=lambda kv: kv[1])
         yield Check(
-            f"{v}-{s}",
-            f"largest {kind} share ({group})",
+            f"{variant}-{setting}",
+            "largest share of a class",
             share,
             f"< {ONE_CLASS:g}",
             share < ONE_CLASS,
+            shown=f"{share:.3f} ({group})",
         )
+
+
+def weight_error_is_spread(view: View) -> Iterator[Check]:
+    return _spread(view, "Q4_K_M", "dequantize-all")
+
+
+def activation_error_is_spread(view: View) -> Iterator[Check]:
+    return _spread(view, "Q8_0", "cpu")
 
 
 # The weight errors of the classes add up: KL is quadratic in a small perturbation of the
@@ -344,7 +352,8 @@ def weight_errors_add_up(view: View) -> Iterator[Check]:
 
 
 # The same for the activation rounding. Not asserted: measured 0.19 (fact, 8 steps: the
-# excess there is a few large per-step differences, not a sum of small ones) to 1.47 (code).
+# excess there is a few large per-step differences, not a sum of small ones) to 1.57 (code),
+# over the draws.
 def activation_errors_add_up(view: View) -> Iterator[Check]:
     return _adds_up(view, "Q8_0", "cpu")
 

@@ -119,7 +119,7 @@ def test_one_class_carrying_most_of_the_error_fails(study, run):
     a["parts"][0]["excess_mean_kld"] = 0.9 * a["whole_excess"]["mean_kld"]
     o = outcome(
         evaluate(study, data),
-        "no tensor class carries half of the error (Q8_0 activations, Q4_K_M weights)",
+        "Q4_K_M: no tensor class carries half of the weight error",
     )
     assert o.prompts("fails") == ["list"]
 
