@@ -693,14 +693,18 @@ def _c_string(s: str) -> str:
     return s.encode()[:127].decode("utf-8", "replace")
 
 
-def load_imatrix(path: str | os.PathLike[str], f: GGUFFile) -> ImatrixInput:
+def load_imatrix(
+    path: str | os.PathLike[str], f: GGUFFile, *, recorded_as: str | None = None
+) -> ImatrixInput:
     """Read an importance matrix file for quantizing ``f``: its per-tensor means, checked
-    against the file's tensors (names, lengths, finite values)."""
+    against the file's tensors (names, lengths, finite values). The output records the path
+    as given, as llama-quantize does, or ``recorded_as``."""
     from qllama.imatrix import read_imatrix
 
     m = read_imatrix(path)
     values = m.for_tensors({t.name: t.shape for t in f})
-    return ImatrixInput(values, os.fspath(path), tuple(m.datasets), m.chunk_count, len(m.entries))
+    file = recorded_as if recorded_as is not None else os.fspath(path)
+    return ImatrixInput(values, file, tuple(m.datasets), m.chunk_count, len(m.entries))
 
 
 # --- writing ----------------------------------------------------------------------------------
@@ -750,17 +754,23 @@ def quantize_file(
     ftype: str | FileType,
     *,
     imatrix: str | os.PathLike[str] | ImatrixInput | None = None,
+    imatrix_name: str | None = None,
     progress: Callable[[int, int, TensorInfo, GGMLType], None] | None = None,
 ) -> QuantizeResult:
     """Write ``dst``: ``src`` quantized to file type ``ftype`` (``"Q8_0"``, ``"IQ4_XS"``...).
 
     ``imatrix`` is an importance matrix file (GGUF or legacy ``.dat``, as llama-quantize's
-    ``--imatrix``) or an :class:`ImatrixInput`. ``progress(i, n, tensor, new_type)`` is
+    ``--imatrix``) or an :class:`ImatrixInput`; the output records the file's path as given,
+    or ``imatrix_name``. ``progress(i, n, tensor, new_type)`` is
     called before each tensor is converted. Nothing is written unless every check passes.
     """
     f = src if isinstance(src, GGUFFile) else read_gguf(src)
     ft = file_type(ftype)
-    im = load_imatrix(imatrix, f) if isinstance(imatrix, str | os.PathLike) else imatrix
+    im = (
+        load_imatrix(imatrix, f, recorded_as=imatrix_name)
+        if isinstance(imatrix, str | os.PathLike)
+        else imatrix
+    )
     types = plan(f, ft, imatrix=im is not None)
     missing: list[str] = []
     arch = f.architecture

@@ -22,7 +22,7 @@ import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 from qllama import defaults
 from qllama.atomic import atomic_write
@@ -185,12 +185,12 @@ def quantized_once(
     label: str,
     stamp: Mapping[str, object],
     *,
-    imatrix: Any = None,
+    imatrix: Path | None = None,
+    imatrix_name: str | None = None,
 ) -> Path:
     """``source`` quantized to file type ``label`` at ``path`` (with the importance matrix
-    ``imatrix``: a file, or an :class:`~qllama.file_quantizer.ImatrixInput`), unless the
-    marker beside it (``.built``) says it was built from the same ``stamp`` and the file is
-    unchanged since."""
+    file ``imatrix``, recorded as ``imatrix_name``), unless the marker beside it
+    (``.built``) says it was built from the same ``stamp`` and the file is unchanged since."""
     from qllama.file_quantizer import quantize_file
 
     marker = path.with_name(path.name + ".built")
@@ -199,7 +199,7 @@ def quantized_once(
             return path
     except (OSError, ValueError):
         pass
-    quantize_file(source, path, label, imatrix=imatrix)
+    quantize_file(source, path, label, imatrix=imatrix, imatrix_name=imatrix_name)
     with atomic_write(marker, "w") as f:
         json.dump({**stamp, "stamp": _stamp(path)}, f)
     return path

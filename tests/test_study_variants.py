@@ -3,12 +3,9 @@ file or computed from a corpus as llama-imatrix does, cached, and part of the ce
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 
-from qllama.file_quantizer import load_imatrix, quantize_file
-from qllama.gguf_reader import read_gguf
+from qllama.file_quantizer import quantize_file
 from qllama.imatrix import from_corpus, write_imatrix
 from qllama.model_files import sha256_file
 from qllama.study import StudyError
@@ -41,7 +38,7 @@ def study_with(folder, **variant):
     return from_dict(doc, folder)
 
 
-def test_a_variant_computed_from_a_corpus_is_llama_quantize_with_llama_imatrix(folder):
+def test_a_variant_computed_from_a_corpus_is_llama_quantize_with_llama_imatrix(folder, monkeypatch):
     study = study_with(folder, type="Q4_0", imatrix_corpus="calib.txt", imatrix_chunks=2)
     v = study.variant("Q4_0-imatrix")
     assert v.imatrix_corpus == str(folder / "calib.txt")  # the declaration's folder
@@ -50,15 +47,14 @@ def test_a_variant_computed_from_a_corpus_is_llama_quantize_with_llama_imatrix(f
     f32 = build(study.model_source(), study.variant("F32"))
     assert "imatrix" in got.path and got.sha256 != plain.sha256
     # the same steps by hand: the matrix of the F32 file over the text, then the quantizer,
-    # given the matrix by its file name (what the variant records, on any machine)
+    # run where the matrix is, given its file name (what the variant records, on any machine)
     (cached,) = (folder / "cache" / "study-variants").glob("*/imatrix-*.gguf")
     hand = folder / "hand" / cached.name
     hand.parent.mkdir()
+    monkeypatch.chdir(hand.parent)
     write_imatrix(hand, from_corpus(f32.path, TEXT, n_chunks=2, dataset="calib.txt"))
     assert sha256_file(hand) == sha256_file(cached)
-    with read_gguf(f32.path) as f:
-        given = replace(load_imatrix(hand, f), file=cached.name)
-    quantize_file(f32.path, folder / "by-hand-q4.gguf", "Q4_0", imatrix=given)
+    quantize_file(f32.path, folder / "by-hand-q4.gguf", "Q4_0", imatrix=cached.name)
     assert sha256_file(folder / "by-hand-q4.gguf") == got.sha256
     # built once: a second build finds the matrix and the file in the cache
     before = cached.stat().st_mtime_ns
@@ -72,9 +68,9 @@ def test_a_variant_with_an_imatrix_file(folder):
     study = study_with(folder, type="Q4_0", imatrix="m.gguf")
     got = build(study.model_source(), study.variant("Q4_0-imatrix"))
     # llama-quantize run in the declaration's folder, given "m.gguf"
-    with read_gguf(f32.path) as f:
-        given = load_imatrix(folder / "m.gguf", f)
-    quantize_file(f32.path, folder / "by-hand.gguf", "Q4_0", imatrix=replace(given, file="m.gguf"))
+    quantize_file(
+        f32.path, folder / "by-hand.gguf", "Q4_0", imatrix=folder / "m.gguf", imatrix_name="m.gguf"
+    )
     assert got.sha256 == sha256_file(folder / "by-hand.gguf")
 
 

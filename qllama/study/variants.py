@@ -8,7 +8,6 @@ writes the same bytes as the driver did: :func:`resolve` checks the sha256 eithe
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -96,8 +95,7 @@ def _with_imatrix(
     ``--imatrix`` does: the file it names, or one computed from its corpus as llama-imatrix
     computes it (the CPU arithmetic on the F32 file, windows of 512), kept in the cache."""
     from qllama import __version__
-    from qllama.file_quantizer import file_type, load_imatrix
-    from qllama.gguf_reader import read_gguf
+    from qllama.file_quantizer import file_type
     from qllama.model_files import quantized_once
 
     if variant.type in ("source", "F32"):
@@ -116,9 +114,7 @@ def _with_imatrix(
     stamp = {"source_sha256": file_sha256(f32), "imatrix_sha256": digest, "qllama": __version__}
     # llama-quantize records the matrix's path as given (quantize.imatrix.file); the file's
     # name alone keeps the variant's bytes, and so its hash, the same on every machine
-    with read_gguf(f32) as f:
-        given = dataclasses.replace(load_imatrix(matrix, f), file=matrix.name)
-    quantized_once(f32, path, label, stamp, imatrix=given)
+    quantized_once(f32, path, label, stamp, imatrix=matrix, imatrix_name=matrix.name)
     return VariantFile(variant, str(path), file_sha256(path))
 
 
