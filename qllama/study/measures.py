@@ -305,32 +305,34 @@ def corpus_base(
     """The base of ``corpus`` on the F32 file (a :class:`~qllama.kld_base.BaseFile`), run by
     ``reference`` (transformers f32, or qllama's dequantize-all): made once and kept in the
     cache (``corpus-bases/``), the first process to need it making it while the others
-    wait."""
+    wait. Its name is the hash of what it is made from, so a cell that finds it reads
+    neither the whole F32 file nor the tokenized corpus again."""
     from qllama import corpus as corpora
     from qllama import defaults, kld_base, perplexity
     from qllama.atomic import exclusive
-    from qllama.model_files import sha256_file
+    from qllama.study.variants import file_sha256
     from qllama.tokenizer import Tokenizer
 
     _reference_engine("corpus", reference)  # before anything is read
-    tokenizer = Tokenizer.from_gguf(f32_path)
-    ids = perplexity.tokenize(tokenizer, corpora.text(corpus))
-    bos = tokenizer.bos_id if tokenizer.add_bos else None
-    wins = perplexity.windows(ids, n_ctx, n_chunks=chunks, bos=bos)
-    if wins.n_chunk < chunks:
-        raise StudyError(f"corpus {corpus!r} has {wins.n_chunk} windows of {n_ctx}, not {chunks}")
+    text, origin = corpora.from_spec(f"corpus:{corpus}")
     meta = {
-        "model_sha256": sha256_file(f32_path),
+        "model_sha256": file_sha256(f32_path),
         "setting": {"engine": ENGINES[reference]},
-        "text": {"corpus": corpus},
-        "tokens_sha256": hashlib.sha256(wins.tokens.tobytes()).hexdigest(),
+        "text": origin,
     }
-    key = hashlib.sha256(json.dumps([meta, n_ctx, fmt], sort_keys=True).encode()).hexdigest()
-    path = (
-        defaults.cache_dir() / "corpus-bases" / f"{corpus}-{n_ctx}x{chunks}-{fmt}-{key[:16]}.base"
-    )
+    key = hashlib.sha256(json.dumps([meta, n_ctx, chunks, fmt], sort_keys=True).encode())
+    name = f"{corpus}-{n_ctx}x{chunks}-{fmt}-{key.hexdigest()[:16]}.base"
+    path = defaults.cache_dir() / "corpus-bases" / name
     with exclusive(path.with_suffix(".lock")):
         if not path.exists():
+            tokenizer = Tokenizer.from_gguf(f32_path)
+            bos = tokenizer.bos_id if tokenizer.add_bos else None
+            ids = perplexity.tokenize(tokenizer, text)
+            wins = perplexity.windows(ids, n_ctx, n_chunks=chunks, bos=bos)
+            if wins.n_chunk < chunks:
+                raise StudyError(
+                    f"corpus {corpus!r} has {wins.n_chunk} windows of {n_ctx}, not {chunks}"
+                )
             if reference == "transformers":
                 from qllama.reference import load_transformers
 
