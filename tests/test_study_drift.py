@@ -144,3 +144,23 @@ def test_a_transformers_measure_without_transformers_says_what_to_install(monkey
     options = m.options({"f32": "unused.gguf"})
     with pytest.raises(StudyError, match=r"pip install 'qllama\[reference\]'"):
         measures.run(MeasureSpec(measure, options), None, None, {"unused.gguf": "unused.gguf"})
+
+
+def test_a_measure_may_be_limited_to_an_optional_draws_cells(tmp_path):
+    """Patterns are checked against every draw's cells: an optional draw's are valid, and the
+    measure runs there once the draw is switched on."""
+    from qllama.study.declaration import with_draws
+
+    optional = (
+        '[[draw]]\nname = "opt"\nsettings = ["cpu"]\nenv = {OPENBLAS_CORETYPE = "Haswell"}\n'
+        "optional = true\n"
+    )
+    measures = '"teacher_forcing_batched", {name = "last_position", cells = ["*/Q8_0-cpu~opt"]}'
+    study = load_study(write_study(tmp_path, measures=measures, extra=optional))
+    assert not any(c.draw == "opt" for c in product(study))
+    drawn = with_draws(study, ["opt"])
+    cell = next(c for c in product(drawn) if c.id == "raw/Q8_0-cpu~opt")
+    assert [m.name for m in measure_specs(drawn, cell)] == [
+        "teacher_forcing_batched",
+        "last_position",
+    ]

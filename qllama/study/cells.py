@@ -46,10 +46,11 @@ def applies(draw: Draw, variant: str, setting: str) -> bool:
     return setting in draw.settings and (not draw.variants or variant in draw.variants)
 
 
-def product(study: Study) -> list[Cell]:
-    """Every cell, prompt by prompt: the base draw, then each draw that is switched on."""
+def product(study: Study, *, optional: bool = False) -> list[Cell]:
+    """Every cell, prompt by prompt: the base draw, then each draw that is switched on (and
+    with ``optional``, the cells of the optional draws too)."""
     out = []
-    draws = [d for d in study.draws if not d.optional]
+    draws = [d for d in study.draws if optional or not d.optional]
     for p in study.prompts:
         for v in study.variants:
             for s in study.settings:

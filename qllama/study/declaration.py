@@ -312,10 +312,11 @@ def check(study: Study) -> None:
 
 
 def _measure_cells(study: Study) -> None:
-    """Each measure's ``cells`` patterns match a cell; one cell has each measure name once."""
+    """Each measure's ``cells`` patterns match a cell (of any draw, optional ones included:
+    they are switched on by name at run time); one cell has each measure name once."""
     from qllama.study.cells import product
 
-    cells = product(study)
+    cells = product(study, optional=True)
     seen: set[tuple[str, str]] = set()
     for m in study.measures:
         for pattern in m.cells:

@@ -401,29 +401,30 @@ def _generic(name: str) -> Callable[[PromptView], list[str]]:
     return section
 
 
-def _traces(data: Mapping[str, Any], prompt: str) -> dict[str, Any]:
+def _options(study: Mapping[str, Any], measure: str) -> dict[str, Any] | None:
+    """The options of the study's first ``measure`` (None: the study has none)."""
+    spec = next((m for m in study.get("measure_specs", []) if m["name"] == measure), None)
+    return None if spec is None else dict(spec["options"])
+
+
+def _traces(study: Mapping[str, Any], entry: Mapping[str, Any]) -> dict[str, Any]:
     """The layer traces of one prompt's cells, each beside its F32 control."""
-    study = data["study"]
-    spec = next((m for m in study.get("measure_specs", []) if m["name"] == "layer_trace"), None)
-    if spec is None:
+    options = _options(study, "layer_trace")
+    if options is None:
         return {}
-    control = spec["options"].get("f32") or next(iter(study["variants"]))
-    entry = data["prompts"][prompt]
     ref = entry["reference"]
     return drift_report.traces(
         entry["cells"],
         list(study["variants"]),
         list(study["settings"]),
-        control,
+        options.get("f32") or next(iter(study["variants"])),
         ref["prompt_tokens"] + ref["length"],
     )
 
 
 def section_layer_trace(pv: PromptView) -> list[str]:
-    data = {"study": pv.study, "prompts": {pv.name: pv.p}}
-    spec = next(m for m in pv.study["measure_specs"] if m["name"] == "layer_trace")
-    reference = spec["options"].get("reference", "transformers")
-    return drift_report.section_layer_trace(_traces(data, pv.name), pv.name, _table, reference)
+    reference = (_options(pv.study, "layer_trace") or {}).get("reference", "transformers")
+    return drift_report.section_layer_trace(_traces(pv.study, pv.p), pv.name, _table, reference)
 
 
 SECTIONS: dict[str, Callable[[PromptView], list[str]]] = {
@@ -603,8 +604,8 @@ def summary(data: dict[str, Any], outcomes: Sequence[Any]) -> list[str]:
             "![median per-step max |Δlogit| by prompt](plots/summary.png)\n",
         ]
     out += drift_report.summary_attribution(data["prompts"], _table)
-    spec = next((m for m in data["study"].get("measure_specs", []) if m["name"] == "corpus"), None)
-    out += corpus_report.section(data["prompts"], spec["options"] if spec else {}, _table)
+    corpus = _options(data["study"], "corpus") or {}
+    out += corpus_report.section(data["prompts"], corpus, _table)
     return out
 
 
@@ -670,8 +671,8 @@ def tables(data: dict[str, Any], outcomes: Sequence[Any]) -> str:
 
 
 def plots(data: dict[str, Any], folder: Path) -> None:
-    for p in data["prompts"]:
-        reports = _traces(data, p)
+    for p, entry in data["prompts"].items():
+        reports = _traces(data["study"], entry)
         if reports:
             folder.mkdir(parents=True, exist_ok=True)
             drift_report.plot_traces(reports, p, folder)
