@@ -38,6 +38,24 @@ def decode_ms(model: Any, prompt: list[int], steps: int, **forward: Any) -> floa
     return 1000 * statistics.median(times)
 
 
+def alternate(
+    model: Any, prompt: list[int], steps: int, rounds: int, *, report: bool = False
+) -> dict[str, list[float]]:
+    """ms/step of each round, no observer and a no-op one taking turns (where the forward
+    pass has the hook), after a warm-up: kernels loaded, caches sized."""
+    variants: dict[str, dict[str, Any]] = {"none": {}}
+    if "observer" in inspect.signature(model.forward).parameters:
+        variants["no-op observer"] = {"observer": lambda name, value: None}
+    decode_ms(model, prompt, 2)
+    ms: dict[str, list[float]] = {k: [] for k in variants}
+    for r in range(rounds):
+        for label, forward in variants.items():
+            ms[label].append(decode_ms(model, prompt, steps, **forward))
+            if report:
+                print(f"round {r}: {label:<15} {ms[label][-1]:8.2f} ms/step", flush=True)
+    return ms
+
+
 def main() -> None:
     import qllama
     from qllama.model_files import variant
@@ -51,19 +69,10 @@ def main() -> None:
     path = args.file or variant("smollm2-135m-instruct", "Q8_0")
     model = qllama.load(path, backend="numpy", kernels=args.kernels)
     prompt = model.apply_chat_template(MESSAGES)
-    hooked = "observer" in inspect.signature(model.forward).parameters
-    variants: dict[str, dict[str, Any]] = {"none": {}}
-    if hooked:
-        variants["no-op observer"] = {"observer": lambda name, value: None}
-    decode_ms(model, prompt, 2)  # warm-up: kernels loaded, caches sized
-    ms: dict[str, list[float]] = {k: [] for k in variants}
-    for r in range(args.rounds):
-        for label, forward in variants.items():
-            ms[label].append(decode_ms(model, prompt, args.steps, **forward))
-            print(f"round {r}: {label:<15} {ms[label][-1]:8.2f} ms/step", flush=True)
+    ms = alternate(model, prompt, args.steps, args.rounds, report=True)
     record = {
         "qllama": str(qllama.__file__),
-        "has_observer": hooked,
+        "has_observer": "no-op observer" in ms,
         "kernels": args.kernels,
         "steps": args.steps,
         "median_ms_per_step": {k: statistics.median(v) for k, v in ms.items()},

@@ -173,21 +173,13 @@ def run_observer(job: dict) -> dict:
     """Decode with no observer and with a no-op one, rounds alternating so both see the same
     machine (benchmarks/observer_overhead.py): the hook's cost when no observer is given is
     at most the no-op observer's, whose calls it skips."""
-    from observer_overhead import decode_ms
+    from observer_overhead import alternate
 
     import qllama
 
     model = qllama.load(job["file"], backend="numpy", threads=job["threads"])
     prompt = job["ids"][: job["prompt_len"]]
-    variants: dict[str, dict[str, Any]] = {
-        "none": {},
-        "no-op observer": {"observer": lambda name, value: None},
-    }
-    decode_ms(model, prompt, 2)  # warm-up
-    ms: dict[str, list[float]] = {k: [] for k in variants}
-    for _ in range(job["repeats"]):
-        for label, forward in variants.items():
-            ms[label].append(decode_ms(model, prompt, job["decode_steps"], **forward))
+    ms = alternate(model, prompt, job["decode_steps"], job["repeats"])
     return {
         "median_ms_per_step": {k: statistics.median(v) for k, v in ms.items()},
         "rounds": ms,
