@@ -2,12 +2,15 @@
 
 The model never learns a weight's type. At load it hands each 2-D weight, as the file stores
 it, to ``backend.prepare`` (upload, repack or dequantize, once); in the forward pass it calls
-only ``backend.matmul(x, w)`` and ``backend.embedding(ids, w)``. Everything else (norms, RoPE,
-attention) is array-API code run on ``backend.xp``.
+only ``backend.matmul(x, w)`` and ``backend.embedding(ids, w)``, and :func:`matmuls` for the
+products that share an input (Q, K and V; gate and up): one call of the backend's optional
+``matmuls(x, ws)`` where its class has one, else ``matmul`` on each. Everything else (norms,
+RoPE, attention) is array-API code run on ``backend.xp``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -67,6 +70,17 @@ class Backend(Protocol):
     def asarray(self, x: Any) -> Any:
         """An ``xp`` array on the backend's device (inputs: token ids, norm weights)."""
         ...
+
+
+def matmuls(backend: Backend, x: Any, ws: Sequence[Any]) -> tuple[Any, ...]:
+    """``x @ W.T`` for each weight of ``ws``: the backend's ``matmuls(x, ws)`` where its class
+    defines one (the same numbers as ``matmul`` on each, in fewer calls), else ``matmul`` on
+    each. Looked up on the class, so that a wrapper that forwards attributes to the backend it
+    wraps (and has its own weights) is called weight by weight."""
+    fused = getattr(type(backend), "matmuls", None)
+    if fused is None:
+        return tuple(backend.matmul(x, w) for w in ws)
+    return tuple(fused(backend, x, ws))
 
 
 def check_supported(backend: Backend, tensor: QuantTensor, types: frozenset[GGMLType]) -> None:

@@ -1,22 +1,24 @@
 """Compiled matmuls (numba) for the CPU arithmetic: the oracle's numbers, bit for bit, fast.
 
 :mod:`qllama.backends.numpy_cpu` states what ggml's CPU computes and computes it plainly;
-these kernels compute exactly the same float32 values (checked bit for bit in
+the compiled kernels compute exactly the same float32 values (checked bit for bit in
 ``tests/test_cpu_kernels.py``) from the file's bytes, keeping nothing of a weight between
-calls. One call of ``kernel(fmt, serial=...)(raw, rows, x, simd, threads)``:
+calls. This module says which kernel computes a format:
 
-1. quantizes the activation rows (:mod:`qllama.backends.cpu_quantize`);
-2. per weight row, decodes each block in registers (:mod:`qllama.backends.cpu_simd`) and
-   takes its exact integer sums with the tokens' blocks: unsigned by signed
-   (``vpdpbusd``): stored codes by activations for Q4/Q5, activations ``+ 128`` by weights
-   for Q8_0, then the corrections (the codes' centre times the activations' block sum, or
-   128 times the weights' block sum) that give ``integer_form``'s integers; K-quants keep
-   ggml's 8 accumulator lanes;
-3. combines the float32 terms in the order of ggml's generic C: per block, in block order,
-   ``(d*y.d)*isum`` (+ ``m*y.s``, - ``(dmin*y.d)*msum``), as the oracle does.
+* the 32-block formats (Q4_0 .. Q8_0) and the K-quants: the streaming kernels
+  (:func:`streaming`), :mod:`qllama.backends.cpu_gemv` for few tokens and
+  :mod:`qllama.backends.cpu_gemm` for many, which keep a whole row's accumulators in
+  registers and take several weights that share an input in one call;
+* the IQ and table formats: the kernels below, ``kernel(fmt, serial=...)(raw, rows, x, simd,
+  threads)``.
 
-The IQ formats with kernels here (IQ3_S, IQ2_XS, IQ2_S) decode each super-block once into
-its signed grid values and sub-block scales, then take plain integer sums with each token
+Below, one call quantizes the activation rows (:mod:`qllama.backends.cpu_quantize`), then per
+weight row decodes each block in registers (:mod:`qllama.backends.cpu_simd`) and takes its
+exact integer sums with the tokens' blocks, unsigned by signed (``vpdpbusd``), and combines
+the float32 terms in the order of ggml's generic C, per block in block order.
+
+The IQ grid formats (IQ3_S, IQ2_XS, IQ2_S) decode each super-block once into its signed grid
+values and sub-block scales, then take plain integer sums with each token
 (:func:`_matmul_iq`): ``(d*y.d) * bsum`` per block in block order, IQ2's ``0.125 * sumf`` at
 the end, as ggml's generic C.
 
@@ -40,6 +42,7 @@ from typing import Any
 import numpy as np
 from numba import njit, prange
 
+from qllama.backends import cpu_gemm, cpu_gemv
 from qllama.backends.cpu_quantize import INLINE, JIT, TOKEN_TILE, q8_row, q8k_row
 from qllama.backends.cpu_simd import (
     IQ4_NL,
@@ -61,7 +64,6 @@ from qllama.backends.cpu_simd import (
     bits_float,
     decode_block,
     decode_levels,
-    decode_scales,
     dots,
     half_to_float,
     lanes8,
@@ -412,7 +414,7 @@ def _part(rows: int, parts: int, c: int) -> tuple[int, int]:
     return r0, r1
 
 
-# --- K-quants: Q2_K, Q3_K, Q4_K, Q5_K, Q6_K ----------------------------------------------------
+# --- Q8_K activations in lanes (the IQ grid formats) -------------------------------------------
 
 
 @njit(**INLINE)
@@ -446,107 +448,6 @@ def _lane_tiles(xq, tokens, k):
 
 
 @njit(**INLINE)
-def _matmul_kquant(raw, fmt, rows, x, simd, threads):
-    """As :func:`matmul_legacy` for the 256-element super-blocks of the K-quants, against
-    Q8_K activations: per block, 8 lane sums (element e in lane e % 8) scaled by
-    ``d*y.d`` into 8 float accumulators, minus ``(dmin*y.d) * sum(mins * bsums)``; the lanes
-    added at the end (Q2_K: one sum, ``(d*y.d)*isum - (dmin*y.d)*msum`` per block)."""
-    tokens, k = x.shape
-    ts = _type_size(fmt)
-    xq, dx, bsums = _q8k_activations(x)
-    out = np.empty((tokens, rows), np.float32)
-    chunks = max(1, min(rows, threads))
-    if tokens < TOKEN_TILE:
-        for c in prange(chunks):
-            r0, r1 = c * rows // chunks, (c + 1) * rows // chunks
-            _kquant_rows(raw, fmt, ts, r0, r1, xq, dx, bsums, out)
-        return out
-    xw, tpad = _lane_tiles(xq, tokens, k)
-    dxt = np.ascontiguousarray(dx.T)
-    bst = np.ascontiguousarray(bsums.T)
-    parts = _parts(rows, threads)
-    for c in prange(parts):
-        r0, r1 = _part(rows, parts, c)
-        _kquant_tiles(raw, fmt, ts, r0, r1, xw, tpad, dxt, bst, out)
-    return out
-
-
-@njit(**INLINE)
-def _kquant_header(raw, off, fmt, q, sc, mn):
-    """Decode a super-block: signed codes into ``q``, scales and the mins per group of 16
-    into ``sc`` and ``mn``; returns (d, dmin)."""
-    if fmt == Q2_K:
-        decode_scales(raw, off, sc, mn, Q2_K)
-        decode_block(raw, off, q, 0, Q2_K, 0)
-        return half_to_float(raw, off + 80), half_to_float(raw, off + 82)
-    if fmt == Q3_K:
-        decode_scales(raw, off, sc, mn, Q3_K)
-        decode_block(raw, off, q, 0, Q3_K, 0)
-        return half_to_float(raw, off + 108), F32(0)
-    if fmt == Q4_K:
-        decode_scales(raw, off, sc, mn, Q4_K)
-        decode_block(raw, off, q, 0, Q4_K, 0)
-        return half_to_float(raw, off), half_to_float(raw, off + 2)
-    if fmt == Q5_K:
-        decode_scales(raw, off, sc, mn, Q5_K)
-        decode_block(raw, off, q, 0, Q5_K, 0)
-        return half_to_float(raw, off), half_to_float(raw, off + 2)
-    decode_scales(raw, off, sc, mn, Q6_K)
-    decode_block(raw, off, q, 0, Q6_K, 0)
-    return half_to_float(raw, off + 208), F32(0)
-
-
-@njit(**INLINE)
-def _sub_size(fmt: int) -> int:
-    """Elements per sub-block (per integer scale)."""
-    return 32 if fmt == Q4_K or fmt == Q5_K else 16
-
-
-@njit(**JIT)
-def _kquant_rows(raw, fmt, ts, r0, r1, xq, dx, bsums, out):
-    """Few tokens: per row and token, each block's lanes (``lanes8``) and its terms."""
-    tokens, nb = dx.shape
-    k = nb * 256
-    q = np.empty(256, np.int8)
-    sc = np.zeros(16, np.int32)
-    mn = np.zeros(16, np.int32)
-    aux = np.empty(8, np.int32)
-    sums = np.empty((tokens, 8), np.float32)
-    acc = np.empty(tokens, np.float32)
-    for r in range(r0, r1):
-        sums[:] = 0
-        acc[:] = 0
-        for b in range(nb):
-            d, dmin = _kquant_header(raw, (r * nb + b) * ts, fmt, q, sc, mn)
-            for t in range(tokens):
-                if _sub_size(fmt) == 32:
-                    lanes8(q, xq, t * k + b * 256, sc, aux, 32)
-                else:
-                    lanes8(q, xq, t * k + b * 256, sc, aux, 16)
-                yd = dx[t, b]
-                msum = 0
-                for j in range(16):
-                    msum += bsums[t, b * 16 + j] * mn[j]
-                if fmt == Q2_K:
-                    isum = 0
-                    for i in range(8):
-                        isum += aux[i]
-                    acc[t] += (d * yd) * np.float32(isum) - (dmin * yd) * np.float32(msum)
-                    continue
-                dd = d * yd
-                for i in range(8):
-                    sums[t, i] += dd * np.float32(aux[i])
-                if fmt == Q4_K or fmt == Q5_K:
-                    acc[t] -= (dmin * yd) * np.float32(msum)
-        for t in range(tokens):
-            total = acc[t]
-            if fmt != Q2_K:
-                for i in range(8):
-                    total += sums[t, i]
-            out[t, r] = total
-
-
-@njit(**INLINE)
 def _lane_weights(q, sc, sub, w):
     """A decoded 256-block's codes times their sub-block scales (int16), regrouped by ggml's
     8 lanes (element ``e`` to lane ``e % 8``): ``w[32 * lane + i]`` is element ``8 * i + lane``."""
@@ -563,66 +464,6 @@ def _lane_dots(w, lane, xw, b, gs, tpad, isum):
     xo = (b * 8 + lane) * 16 * gs
     for t0 in range(0, tpad, 16):
         token_wdots(w, 32 * lane, xw, xo + 2 * t0, gs, isum[t0:])
-
-
-@njit(**JIT)
-def _kquant_tiles(raw, fmt, ts, r0, r1, xw, tpad, dxt, bst, out):
-    """Many tokens: per super-block (decoded once, scales folded into int16 weights
-    regrouped by lane), each lane's sums for 16 tokens at a time (``token_wdots``), and the
-    float terms over the tokens (elementwise, vectorized); rows staged as in
-    :func:`_legacy_tiles`."""
-    nb, tokens = dxt.shape
-    gs = tpad * 2  # int16 elements between a lane's pairs
-    sub = _sub_size(fmt)
-    q = np.empty(256, np.int8)
-    w = np.empty(256, np.int16)
-    sc = np.zeros(16, np.int32)
-    mn = np.zeros(16, np.int32)
-    isum = np.empty(tpad, np.int32)
-    total = np.empty(tokens, np.int32)
-    msum = np.empty(tokens, np.int32)
-    sums = np.empty((8, tokens), np.float32)
-    stage = np.empty((16, tokens), np.float32)
-    for r in range(r0, r1):
-        at = (r - r0) % 16
-        acc = stage[at]
-        sums[:] = 0
-        acc[:] = 0
-        for b in range(nb):
-            d, dmin = _kquant_header(raw, (r * nb + b) * ts, fmt, q, sc, mn)
-            _lane_weights(q, sc, sub, w)
-            yd = dxt[b]
-            total[:] = 0
-            for lane in range(8):
-                _lane_dots(w, lane, xw, b, gs, tpad, isum)
-                if fmt == Q2_K:
-                    for t in range(tokens):
-                        total[t] += isum[t]
-                else:
-                    s = sums[lane]
-                    for t in range(tokens):
-                        s[t] += (d * yd[t]) * np.float32(isum[t])
-            if fmt == Q2_K or fmt == Q4_K or fmt == Q5_K:
-                msum[:] = 0
-                for j in range(16):
-                    m = mn[j]
-                    bs = bst[b * 16 + j]
-                    for t in range(tokens):
-                        msum[t] += m * bs[t]
-                if fmt == Q2_K:
-                    for t in range(tokens):
-                        isum_f, msum_f = np.float32(total[t]), np.float32(msum[t])
-                        acc[t] += (d * yd[t]) * isum_f - (dmin * yd[t]) * msum_f
-                else:
-                    for t in range(tokens):
-                        acc[t] -= (dmin * yd[t]) * np.float32(msum[t])
-        if fmt != Q2_K:
-            for lane in range(8):
-                s = sums[lane]
-                for t in range(tokens):
-                    acc[t] += s[t]
-        if at == 15 or r + 1 == r1:
-            _unstage(stage, at + 1, out, r - at)
 
 
 # --- IQ grid formats: IQ3_S, IQ2_XS, IQ2_S -----------------------------------------------------
@@ -776,13 +617,6 @@ def _legacy_kernel(fmt: int, parallel: bool) -> Any:
     return _named(kernel, "matmul", fmt, parallel)
 
 
-def _kquant_kernel(fmt: int, parallel: bool) -> Any:
-    def kernel(raw, rows, x, simd, threads):
-        return _matmul_kquant(raw, fmt, rows, x, simd, threads)
-
-    return _named(kernel, "matmul", fmt, parallel)
-
-
 def _iq_kernel(fmt: int, parallel: bool) -> Any:
     def kernel(raw, rows, x, simd, threads):
         return _matmul_iq(raw, fmt, rows, x, simd, threads)
@@ -793,11 +627,26 @@ def _iq_kernel(fmt: int, parallel: bool) -> Any:
 # Each format parallel over weight rows (numba's threads) and serial: a parallel region has
 # every thread meet at its end, which costs more than a small matmul on one thread, and
 # much more when the machine is busy and a thread is waiting for a core.
-KERNELS = {
-    fmt: (_legacy_kernel(fmt, True), _legacy_kernel(fmt, False)) for fmt in LEGACY + TABLE_FORMATS
-}
-KERNELS.update({fmt: (_kquant_kernel(fmt, True), _kquant_kernel(fmt, False)) for fmt in KQUANTS})
+KERNELS = {fmt: (_legacy_kernel(fmt, True), _legacy_kernel(fmt, False)) for fmt in TABLE_FORMATS}
 KERNELS.update({fmt: (_iq_kernel(fmt, True), _iq_kernel(fmt, False)) for fmt in IQ})
+
+
+# Fewer tokens than this: each weight row streamed once per token (cpu_gemv); as many or more:
+# tiles of 16 tokens per decoded block (cpu_gemm). Measured crossovers on 2048 x 8192
+# weights, 2 threads: 4 tokens for the 32-blocks, 6 to 12 for the K-quants.
+GEMM_TOKENS = {**{fmt: 4 for fmt in LEGACY}, **{fmt: 8 for fmt in KQUANTS}}
+
+
+def streaming(fmt: int, tokens: int, *, serial: bool) -> Any | None:
+    """The streaming matmul for ``tokens`` tokens of weights of format ``fmt``, or None
+    where the format has none (use :func:`kernel`):
+    ``kernel(buf, offs, rows, x, simd, threads, out, outs_at)`` computes ``x @ W_i.T`` for the
+    weights at bytes ``offs[i]`` of ``buf`` (``rows[i]`` rows each) into ``out[outs_at[i]:]``,
+    row-major (T, rows[i])."""
+    if fmt not in GEMM_TOKENS:
+        return None
+    kernels = cpu_gemm.KERNELS if tokens >= GEMM_TOKENS[fmt] else cpu_gemv.KERNELS
+    return kernels[fmt][1 if serial else 0]
 
 
 def kernel(fmt: int, *, serial: bool) -> Any:

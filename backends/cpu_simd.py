@@ -286,15 +286,17 @@ def _reduce_together(builder: ir.IRBuilder, vecs: list[Any], group: int, count: 
 
 
 def _host_features() -> dict[str, bool]:
-    """The CPU features numba compiles for: the host's, or none where a portable target was
-    asked for (``NUMBA_CPU_NAME``)."""
+    """The CPU features numba compiles for: the host's, or where another target was asked for
+    (``NUMBA_CPU_NAME``) the features given with it (``NUMBA_CPU_FEATURES``, e.g.
+    ``+avx2,+f16c``), none if none."""
     import platform
 
     from llvmlite import binding
     from numba.core import config
 
     if getattr(config, "CPU_NAME", None):
-        return {}
+        given = (getattr(config, "CPU_FEATURES", None) or "").split(",")
+        return {f[1:]: f[0] == "+" for f in given if len(f) > 1 and f[0] in "+-"}
     features = dict(binding.get_host_cpu_features())
     if platform.machine().lower() in ("arm64", "aarch64"):
         features["f16c"] = True  # fp16 conversions are base AArch64

@@ -46,6 +46,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -74,6 +75,9 @@ KERNEL_KQUANTS = frozenset(GGMLType[n] for n in ("Q2_K", "Q3_K", "Q4_K", "Q5_K",
 KERNEL_IQ = frozenset(GGMLType[n] for n in ("IQ3_S", "IQ2_XS", "IQ2_S"))
 KERNEL_TABLES = frozenset(GGMLType[n] for n in ("IQ4_NL", "IQ4_XS", "MXFP4"))
 KERNEL_TYPES = KERNEL_LEGACY | KERNEL_KQUANTS | KERNEL_IQ | KERNEL_TABLES
+# ... of which these run in the streaming kernels, several weights in one call
+STREAMING_TYPES = KERNEL_LEGACY | KERNEL_KQUANTS
+ONE_OFFSET = np.zeros(1, np.int64)
 
 # Largest |q| of an activation block: 127, or -128 where the AVX2 quantizer saturates a NaN.
 _ACT_BOUND = 128
@@ -435,18 +439,72 @@ class NumpyBackend(ArrayBackend):
 
     def _matmul_kernels(self, x: np.ndarray, w: Packed) -> np.ndarray:
         """The same numbers as :meth:`_matmul_q8`'s integer path, from compiled kernels."""
+        return self._kernel_matmuls(x, (w,), (w.tensor.data, ONE_OFFSET))[0]
+
+    def matmuls(self, x: Any, ws: Sequence[Packed | Dense]) -> tuple[Any, ...]:
+        """``x @ W.T`` for each of ``ws``, the same numbers as :meth:`matmul` on each: one
+        kernel call where the compiled kernels compute them all (one streaming format, one
+        file), so that a layer's Q, K and V (or gate and up) cost one dispatch."""
+        buffer = self._one_buffer(ws) if self.kernels == "numba" and self._q8 else None
+        if buffer is None:
+            return tuple(self.matmul(x, w) for w in ws)
+        x = np.asarray(x, dtype=F32)
+        if x.ndim != 2 or x.shape[1] != ws[0].tensor.row_length:
+            raise TensorShapeError(
+                f"matmul with '{ws[0].tensor.name}' {ws[0].tensor.shape} needs activations "
+                f"(T, {ws[0].tensor.row_length}), got {x.shape}"
+            )
+        return self._kernel_matmuls(x, ws, buffer)
+
+    def _one_buffer(self, ws: Sequence[Any]) -> tuple[np.ndarray, np.ndarray] | None:
+        """Where weights that one streaming call can take lie: the buffer they are all views
+        of (the file's map) and their byte offsets in it; None where they are not such."""
+        first = ws[0]
+        if not all(isinstance(w, Packed) for w in ws):
+            return None
+        code, k = first.tensor.ggml_type, first.tensor.row_length
+        base = first.tensor.data.base
+        if code not in STREAMING_TYPES or base is None:
+            return None
+        if any(
+            w.tensor.ggml_type != code or w.tensor.row_length != k or w.tensor.data.base is not base
+            for w in ws
+        ):
+            return None
+        try:
+            whole = np.frombuffer(base, dtype=np.uint8)
+        except (TypeError, ValueError, BufferError):  # not one contiguous buffer
+            return None
+        start = whole.ctypes.data
+        return whole, np.array([w.tensor.data.ctypes.data - start for w in ws], np.int64)
+
+    def _kernel_matmuls(
+        self, x: np.ndarray, ws: Sequence[Packed], buffer: tuple[np.ndarray, np.ndarray]
+    ) -> tuple[np.ndarray, ...]:
+        """The compiled kernels on weights of one format: the streaming kernel, all of ``ws``
+        at once (at byte offsets ``buffer[1]`` of ``buffer[0]``), or one call each."""
         ck, threads = self._kernels_for_this_thread()
         x = np.ascontiguousarray(x, dtype=F32)
         tokens, k = x.shape
-        raw, code, rows = w.tensor.data, int(w.tensor.ggml_type), w.tensor.rows
-        serial = threads == 1 or tokens * k * rows < SERIAL_MACS
-        kernel = ck.kernel(code, serial=serial)
-        out: np.ndarray = kernel(raw, rows, x, self.activation_rounding == "simd", threads)
+        code, simd = int(ws[0].tensor.ggml_type), self.activation_rounding == "simd"
+        rows = np.array([w.tensor.rows for w in ws], np.int64)
+        serial = threads == 1 or tokens * k * int(rows.sum()) < SERIAL_MACS
+        stream = ck.streaming(code, tokens, serial=serial)
+        if stream is None:
+            kernel = ck.kernel(code, serial=serial)
+            outs = tuple(kernel(w.tensor.data, w.tensor.rows, x, simd, threads) for w in ws)
+        else:
+            ends = tokens * np.cumsum(rows)
+            starts = ends - tokens * rows
+            flat = np.empty(int(ends[-1]), F32)
+            stream(*buffer, rows, x, simd, threads, flat, starts)
+            spans = zip(starts.tolist(), ends.tolist(), strict=True)
+            outs = tuple(flat[a:e].reshape(tokens, -1) for a, e in spans)  # (tokens, rows_i)
         if not self._blas_limited:  # after the first call, which loads the last BLAS (scipy's)
             self._blas_limited = True
             if self.blas_threads is not None:
                 _limit_blas(self.blas_threads)
-        return out
+        return outs
 
     def _kernels_for_this_thread(self) -> tuple[Any, int]:
         """The kernels module and numba's thread count in the calling thread (numba keeps

@@ -2,7 +2,8 @@
 
 It runs unchanged on numpy, torch, jax and array-api-strict: it uses only ``xp`` (the
 namespace of the backend) and calls the backend for the two operations that touch quantized
-weights, ``matmul`` and ``embedding``. It never learns a weight's type or the arithmetic of
+weights, ``matmul`` (several at once where they share an input: ``matmuls``) and
+``embedding``. It never learns a weight's type or the arithmetic of
 the backend; that is what lets one model measure several arithmetics.
 
 It never learns the architecture's name either: what differs between llama, qwen, phi3,
@@ -27,7 +28,7 @@ from typing import Any
 from qllama import generation
 from qllama.architectures import Activation, QKNorm, Rope, RopeLayout
 from qllama.array_api import to_numpy
-from qllama.backends.base import Backend
+from qllama.backends.base import Backend, matmuls
 from qllama.config import ModelConfig
 from qllama.errors import (
     ChatTemplateError,
@@ -415,6 +416,11 @@ class Llama:
         y = self.backend.matmul(x, w)
         return y if bias is None else y + bias
 
+    def _linears(self, x: Any, *pairs: tuple[Any, Any]) -> list[Any]:
+        """Several products of one input, (weight, bias or None) each, in one backend call."""
+        ys = matmuls(self.backend, x, [w for w, _ in pairs])
+        return [y if b is None else y + b for y, (_, b) in zip(ys, pairs, strict=True)]
+
     def _logits(self, x: Any) -> Any:
         """Final norm, output matrix (+ bias), then the architecture's logit scalars."""
         c, w = self.config, self.weights
@@ -555,11 +561,13 @@ class Llama:
         """Queries, keys and values: three products, or one of the fused attn_qkv cut in
         three (rows Q, then K, then V)."""
         if layer.attn_qkv is None:
-            return (
-                self._linear(x, layer.attn_q, layer.attn_q_bias),
-                self._linear(x, layer.attn_k, layer.attn_k_bias),
-                self._linear(x, layer.attn_v, layer.attn_v_bias),
+            q, k, v = self._linears(
+                x,
+                (layer.attn_q, layer.attn_q_bias),
+                (layer.attn_k, layer.attn_k_bias),
+                (layer.attn_v, layer.attn_v_bias),
             )
+            return q, k, v
         c = self.config
         qkv = self._linear(x, layer.attn_qkv, layer.attn_qkv_bias)  # (T, q + k + v widths)
         n_q, n_k = c.n_head * c.head_dim, c.n_head_kv * c.head_dim
@@ -589,8 +597,9 @@ class Llama:
             gate_up = self._linear(x, layer.ffn_up, layer.ffn_up_bias)  # (T, 2 n_ff)
             gate, up = gate_up[:, : self.config.n_ff], gate_up[:, self.config.n_ff :]
         else:
-            gate = self._linear(x, layer.ffn_gate, layer.ffn_gate_bias)
-            up = self._linear(x, layer.ffn_up, layer.ffn_up_bias)
+            gate, up = self._linears(
+                x, (layer.ffn_gate, layer.ffn_gate_bias), (layer.ffn_up, layer.ffn_up_bias)
+            )
         h = self.activation(gate, xp=self.xp) * up
         return self._linear(h, layer.ffn_down, layer.ffn_down_bias)
 

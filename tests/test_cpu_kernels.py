@@ -17,9 +17,9 @@ pytest.importorskip("numba")
 
 from qllama import quants
 from qllama.backends import numpy_cpu
-from qllama.backends.base import QuantTensor
+from qllama.backends.base import QuantTensor, matmuls
 from qllama.backends.numpy_cpu import NumpyBackend
-from qllama.errors import BackendError
+from qllama.errors import BackendError, TensorShapeError
 from qllama.ggml_types import GGMLType
 
 # the oracle's float32 arithmetic overflows on the hard activations, as C does, and warns
@@ -124,6 +124,51 @@ def test_non_finite_activations(qtype, parallelism):
             agree(fast.matmul(x[rows], fast.prepare(w)), oracle.matmul(x[rows], oracle.prepare(w)))
 
 
+def one_file(qtypes: list[str], rows: list[int], k: int) -> list[QuantTensor]:
+    """Weights whose bytes lie one after another in one buffer, as a file's tensors do."""
+    raws = [random_weight(q, r, k, seed=r).data for q, r in zip(qtypes, rows, strict=True)]
+    buf = np.concatenate([np.zeros(64, np.uint8), *raws])
+    buf.flags.writeable = False
+    ends = 64 + np.cumsum([r.size for r in raws])
+    return [
+        QuantTensor(f"w{i}", GGMLType[q], (r, k), buf[e - raw.size : e])
+        for i, (q, r, raw, e) in enumerate(zip(qtypes, rows, raws, ends, strict=True))
+    ]
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q5_1", "Q8_0", "Q3_K", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("tokens", [1, 5, 20])
+def test_matmuls_of_one_input_equal_one_matmul_each(qtype, tokens, parallelism):
+    """Q, K and V (rows 24, 8, 8) in one streaming call: each the same bits as its own
+    matmul and as the oracle's."""
+    k = 512
+    ws = one_file([qtype] * 3, [24, 8, 8], k)
+    x = hard_activations(tokens, k, seed=tokens)
+    fast, oracle = backends("ref", parallelism)
+    prepared = [fast.prepare(w) for w in ws]
+    assert fast._one_buffer(prepared) is not None  # the fused call, not the fallback
+    fused = matmuls(fast, x, prepared)
+    for w, p, got in zip(ws, prepared, fused, strict=True):
+        agree(got, fast.matmul(x, p))
+        agree(got, oracle.matmul(x, oracle.prepare(w)))
+
+
+def test_matmuls_that_cannot_share_a_call_are_made_one_by_one():
+    """Two formats, or weights not in one buffer: one matmul each, the same numbers."""
+    k = 512
+    mixed = one_file(["Q8_0", "Q4_K", "IQ4_XS"], [8, 8, 8], k)
+    apart = [random_weight("Q8_0", 8, k, seed=s) for s in (1, 2)]
+    x = hard_activations(3, k, seed=1)
+    fast, oracle = backends("ref", "parallel")
+    for ws in (mixed, apart):
+        prepared = [fast.prepare(w) for w in ws]
+        assert fast._one_buffer(prepared) is None
+        for w, got in zip(ws, matmuls(fast, x, prepared), strict=True):
+            agree(got, oracle.matmul(x, oracle.prepare(w)))
+    with pytest.raises(TensorShapeError, match=r"needs activations \(T, 512\)"):
+        matmuls(fast, x[:, :256], [fast.prepare(w) for w in one_file(["Q8_0"] * 2, [8, 8], k)])
+
+
 @pytest.mark.parametrize("act", ["Q8_0", "Q8_1", "Q8_K"])
 @pytest.mark.parametrize("rounding", ["ref", "simd"])
 def test_activation_quantizers_equal_numpy(act, rounding):
@@ -226,7 +271,7 @@ import sys
 import numpy as np
 from threadpoolctl import threadpool_info
 from qllama import quants
-from qllama.backends.base import QuantTensor
+from qllama.backends.base import QuantTensor, matmuls
 from qllama.backends.numpy_cpu import NumpyBackend
 from qllama.ggml_types import GGMLType
 
@@ -260,14 +305,17 @@ def test_the_kernels_cap_blas_threads(blas_threads):
 
 
 PORTABLE_CHECK = """
+import sys
+
 import numpy as np
 from qllama import quants
-from qllama.backends import cpu_simd
-from qllama.backends.base import QuantTensor
+from qllama.backends import cpu_ir, cpu_simd, numpy_cpu
+from qllama.backends.base import QuantTensor, matmuls
 from qllama.backends.numpy_cpu import NumpyBackend
 from qllama.ggml_types import GGMLType
 
 assert not cpu_simd.VNNI
+assert cpu_ir.AVX2 == (sys.argv[1] == "avx2")
 rng = np.random.default_rng(0)
 for qtype in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
               "IQ4_NL", "IQ4_XS", "MXFP4"):
@@ -280,20 +328,31 @@ for qtype in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q
         fast, oracle = NumpyBackend(kernels="numba", threads=1), NumpyBackend(kernels="numpy")
         got, want = fast.matmul(x, fast.prepare(t)), oracle.matmul(x, oracle.prepare(t))
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (qtype, tokens)
+        if qtype in numpy_cpu.STREAMING_TYPES:  # two weights of one buffer, one call
+            two = QuantTensor("a", t.ggml_type, (4, 512), raw[: raw.size // 2])
+            got = fast.matmuls(x, [fast.prepare(two), fast.prepare(t)])
+            assert np.array_equal(got[1].view(np.uint32), want.view(np.uint32)), (qtype, tokens)
 print("ok")
 """
 
 
+# numba's targets without AVX512-VNNI: a generic x86-64 (the portable IR), and an AVX2 one
+TARGETS = {
+    "generic": {"NUMBA_CPU_NAME": "generic"},
+    "avx2": {"NUMBA_CPU_NAME": "haswell", "NUMBA_CPU_FEATURES": "+avx,+avx2,+f16c,+fma,+ssse3"},
+}
+
+
 @pytest.mark.slow
-def test_portable_code_equals_the_oracle():
-    """The kernels compiled for a generic x86-64 (no AVX512-VNNI: the portable IR), in a
-    process of their own (numba compiles for one target per process)."""
-    import os
+@pytest.mark.parametrize("target", sorted(TARGETS))
+def test_portable_code_equals_the_oracle(target):
+    """The kernels compiled for a CPU without AVX512-VNNI, in a process of their own (numba
+    compiles for one target per process)."""
     import subprocess
     import sys
 
-    env = {**os.environ, "NUMBA_CPU_NAME": "generic"}
+    env = {**os.environ, **TARGETS[target]}
     run = subprocess.run(
-        [sys.executable, "-c", PORTABLE_CHECK], env=env, capture_output=True, text=True
+        [sys.executable, "-c", PORTABLE_CHECK, target], env=env, capture_output=True, text=True
     )
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-2000:]

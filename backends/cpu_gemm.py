@@ -1,0 +1,625 @@
+"""Kernels for many tokens (prefill, teacher forcing): each weight block decoded once for a
+tile of 16 tokens, held in the vector lanes, with every accumulator in a register.
+
+The activations are laid out once per matmul with the tokens side by side (16 a vector);
+a weight block's codes are decoded into a small stack buffer and each 32-bit group of them
+broadcast from it against the 16 tokens' matching group, so that no horizontal sum is
+needed (:func:`legacy_tile`, :func:`kquant_tile`):
+
+* **32-blocks**, 4 rows x 16 tokens: the stored codes (unsigned) times the tokens' int8
+  codes, four products a lane (``vpdpbusd``); minus the centre times the block sums, then
+  per row ``(d*y.d)*isum`` (``(isum*d)*y.d`` for Q4_0, ``+ m*y.s`` for the _1 types) added to
+  the row's 16 running sums, block after block.
+* **K-quants**, 2 rows x 16 tokens: the codes (signed as ``integer_form``) with their
+  sub-block scales folded in, int16, in the lane order of
+  :data:`qllama.backends.cpu_gemv.LANE_ORDER`; the tokens' int16 codes in pairs of one lane
+  (``vpdpwssd``) into ggml's 8 lane sums per token; each scaled by ``d*y.d`` into 8 float
+  accumulators, the mins term subtracted from a ninth, the lanes added at the end in order.
+
+The float32 operations per (row, token) are those of ggml's generic C, in its order, as in
+:mod:`~qllama.backends.cpu_gemv`: the results are the same bits (``tests/test_cpu_kernels.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core.cgutils import alloca_once
+from numba.extending import intrinsic
+
+from qllama.backends.cpu_gemv import (
+    CENTRE,
+    D_AT,
+    LANE_ORDER,
+    QS_AT,
+    SIZES,
+    SUB32,
+    TYPE_SIZE,
+    WITH_M,
+    WITH_MINS,
+    _chunk,
+    _k4_scales,
+    _stored_codes,
+    _sub_of,
+    nibble_codes4,
+)
+from qllama.backends.cpu_ir import (
+    F32,
+    I1,
+    I8,
+    I16,
+    I32,
+    I64,
+    broadcast,
+    byte_ptr,
+    consts,
+    counted_loop,
+    data_ptr,
+    declare,
+    dot4,
+    halves,
+    i64,
+    load,
+    opaque,
+    pick,
+    shuffle,
+    splat,
+    store,
+    vec,
+)
+from qllama.backends.cpu_quantize import INLINE, JIT, q8_row, q8k_row
+from qllama.backends.cpu_simd import (
+    KQUANTS,
+    LEGACY,
+    Q2_K,
+    Q4_0,
+    Q4_1,
+    Q4_K,
+    Q5_0,
+    Q5_1,
+    Q5_K,
+    Q6_K,
+    Q8_0,
+    VNNI,
+    _kquant_run,
+    _kquant_scales,
+    _literal,
+)
+from qllama.ggml_types import GGMLType
+
+TILE = 16  # tokens a vector
+
+
+# --- IR pieces ---------------------------------------------------------------------------------
+
+
+def _dot_pairs(builder: ir.IRBuilder, acc: Any, a: Any, b: Any) -> Any:
+    """``acc`` (<16 x i32>) plus the sums of each 2 adjacent int16 products of ``a`` and
+    ``b`` (<16 x i32> holding 32 int16 each; ``vpdpwssd``): exact."""
+    if VNNI:
+        fn = declare(builder, "llvm.x86.avx512.vpdpwssd.512", vec(I32, 16), [vec(I32, 16)] * 3)
+        return builder.call(fn, [acc, a, b])
+    a32, b32 = (builder.sext(builder.bitcast(v, vec(I16, 32)), vec(I32, 32)) for v in (a, b))
+    prod = builder.mul(a32, b32)
+    even, odd = (pick(builder, prod, list(range(c, 32, 2))) for c in range(2))
+    return builder.add(acc, builder.add(even, odd))
+
+
+def _scatter(builder: ir.IRBuilder, value: Any, base: Any, index: Any, stride: Any, n: Any) -> None:
+    """``base[index + j*stride] = value[j]`` (float32) for the lanes ``j < n``."""
+    idx = builder.add(
+        broadcast(builder, index, TILE),
+        builder.mul(broadcast(builder, stride, TILE), consts(I64, list(range(TILE)))),
+    )
+    gep = ir.instructions.GEPInstr(
+        builder.block, builder.bitcast(base, F32.as_pointer()), [idx], False, "", source_etype=F32
+    )
+    gep.type = vec(F32.as_pointer(), TILE)
+    builder._insert(gep)
+    live = builder.icmp_signed("<", consts(I64, list(range(TILE))), broadcast(builder, n, TILE))
+    fn = declare(
+        builder,
+        f"llvm.masked.scatter.v{TILE}f32.v{TILE}p0",
+        ir.VoidType(),
+        [vec(F32, TILE), vec(F32.as_pointer(), TILE), I32, vec(I1, TILE)],
+    )
+    builder.call(fn, [value, gep, ir.Constant(I32, 4), live])
+
+
+def _tile_args(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> dict[str, Any]:
+    """The common arguments of the tile kernels as IR values; ``xv``, ``acts``, ``dxt`` and
+    ``sxt`` point at the tile's first block."""
+    names = (
+        "raw",
+        "off",
+        "rb",
+        "nb",
+        "xv",
+        "tile",
+        "acts",
+        "dxt",
+        "sxt",
+        "out",
+        "oo",
+        "ostride",
+        "nt",
+    )
+    values = dict(zip(names, args, strict=False))
+    for name in ("raw", "xv", "acts", "dxt", "sxt", "out"):
+        i = names.index(name)
+        values[name] = data_ptr(context, builder, sig.args[i], args[i])
+    return values
+
+
+def _tile_start(builder: ir.IRBuilder, base: Any, a: dict[str, Any], per_block: int) -> Any:
+    """Where tile ``a["tile"]`` starts in a tile-major array of ``per_block`` bytes a block."""
+    return byte_ptr(builder, base, builder.mul(builder.mul(a["tile"], a["nb"]), i64(per_block)))
+
+
+# --- 32-blocks ---------------------------------------------------------------------------------
+
+
+@intrinsic(prefer_literal=True)
+def legacy_tile(
+    typingctx: Any,
+    raw: Any,
+    off: Any,
+    rb: Any,
+    nb: Any,
+    xv: Any,
+    tile: Any,
+    cxt: Any,
+    dxt: Any,
+    sxt: Any,
+    out: Any,
+    oo: Any,
+    ostride: Any,
+    nt: Any,
+    fmt: Any,
+    n_rows: Any,
+) -> Any:
+    """``n_rows`` (1 or 4) weight rows of ``nb`` 32-blocks of ``fmt`` (the first at byte
+    ``off`` of ``raw``, one every ``rb`` bytes) against the 16 tokens of tile ``tile`` of the
+    tiled activations (:func:`q8_tiles`): codes ``xv``, and per block and token the centre
+    times the block sum ``cxt`` (int32), d ``dxt`` and s ``sxt`` (float32). Writes row r's sum
+    for the tile's token j to ``out[oo + j*ostride + r]`` for ``j < nt``."""
+    f = _literal(fmt, LEGACY, "legacy_tile: fmt")
+    n = _literal(n_rows, (1, 4), "legacy_tile: n_rows")
+    if f is None or n is None:
+        return None
+    ts, centre = TYPE_SIZE[f], CENTRE.get(f, 0)
+    nibbles = n == 4 and f in QS_AT
+
+    def group_at(r: int, g: int) -> int:
+        """Byte offset of row r's elements 4g..4g+3 in the codes buffer."""
+        if nibbles:
+            return 64 * (g // 4) + 16 * r + 4 * (g % 4)
+        return 32 * r + 4 * g
+
+    def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> Any:
+        a = _tile_args(context, builder, sig, args)
+        first = byte_ptr(builder, a["raw"], a["off"])
+        rows = [byte_ptr(builder, first, builder.mul(a["rb"], i64(r))) for r in range(n)]
+        buf = builder.bitcast(alloca_once(builder, ir.ArrayType(I8, 128)), I8.as_pointer())
+        wbuf = opaque(builder, buf)  # read back by broadcast loads (see cpu_ir.opaque)
+        xv = _tile_start(builder, a["xv"], a, 8 * 64)
+        cxt, dxt, sxt = (_tile_start(builder, a[k], a, 64) for k in ("acts", "dxt", "sxt"))
+        zero = ir.Constant(vec(F32, TILE), [ir.Constant(F32, 0.0)] * TILE)
+
+        def block(b: Any, sums: list[Any]) -> list[Any]:
+            if nibbles:
+                lo, hi = nibble_codes4(builder, f, rows, b)
+                store(builder, lo, buf, 0)
+                store(builder, hi, buf, 64)
+            else:
+                for r in range(n):
+                    p = byte_ptr(builder, rows[r], builder.mul(b, i64(ts)))
+                    store(builder, _stored_codes(builder, f, p), buf, 32 * r)
+            ints = [splat(I32, 16, 0)] * n
+            xb = byte_ptr(builder, xv, builder.mul(b, i64(8 * 64)))
+            for g in range(8):
+                xs = load(builder, xb, 64 * g, vec(I8, 64))
+                for r in range(n):
+                    w = broadcast(builder, load(builder, wbuf, group_at(r, g), I32), 16)
+                    ints[r] = dot4(builder, ints[r], builder.bitcast(w, vec(I8, 64)), xs)
+            at = builder.mul(b, i64(64))
+            yd = load(builder, dxt, at, vec(F32, TILE))
+            cx = load(builder, cxt, at, vec(I32, TILE)) if centre else None
+            ys = load(builder, sxt, at, vec(F32, TILE)) if f in WITH_M else None
+            new = []
+            for r in range(n):
+                p = byte_ptr(builder, rows[r], builder.mul(b, i64(ts)))
+                isum = builder.sub(ints[r], cx) if centre else ints[r]
+                fi = builder.sitofp(isum, vec(F32, TILE))
+                dm = halves(builder, load(builder, p, 0, vec(I16, 2)))  # d, and m for _1
+                d = broadcast(builder, builder.extract_element(dm, ir.Constant(I32, 0)), TILE)
+                if f == Q4_0:
+                    term = builder.fmul(builder.fmul(fi, d), yd)
+                else:
+                    term = builder.fmul(builder.fmul(d, yd), fi)
+                if f in WITH_M:
+                    m = broadcast(builder, builder.extract_element(dm, ir.Constant(I32, 1)), TILE)
+                    term = builder.fadd(term, builder.fmul(m, ys))
+                new.append(builder.fadd(sums[r], term))
+            return new
+
+        sums = counted_loop(builder, i64(0), a["nb"], [zero] * n, block)
+        for r in range(n):
+            _scatter(
+                builder, sums[r], a["out"], builder.add(a["oo"], i64(r)), a["ostride"], a["nt"]
+            )
+        return context.get_dummy_value()
+
+    sig = types.none(raw, off, rb, nb, xv, tile, cxt, dxt, sxt, out, oo, ostride, nt, fmt, n_rows)
+    return sig, codegen
+
+
+# --- K-quants ----------------------------------------------------------------------------------
+
+
+def _weights_i16(builder: ir.IRBuilder, fmt: int, p: Any, buf: Any, at: int) -> Any:
+    """Decode the super-block at ``p``: its codes (signed, as ``integer_form``) times their
+    sub-block scales, int16, each 64 in :data:`LANE_ORDER`, to ``buf[at:at+512]``. Returns
+    the mins as <16 x i16> (Q2_K: 16; Q4_K/Q5_K: 8, then zeros) or None."""
+    perm = [int(e) for e in LANE_ORDER]
+    mins = None
+    if fmt in SUB32:
+        both = _k4_scales(builder, p)
+        sc = builder.zext(both, vec(I16, 16))
+        mins = builder.zext(pick(builder, both, list(range(8, 16)) * 2), vec(I16, 16))
+    elif fmt == Q6_K:
+        sc = builder.sext(load(builder, p, 192, vec(I8, 16)), vec(I16, 16))
+    elif fmt == Q2_K:
+        b = load(builder, p, 0, vec(I8, 16))
+        sc = builder.zext(builder.and_(b, splat(I8, 16, 15)), vec(I16, 16))
+        mins = builder.zext(builder.lshr(b, splat(I8, 16, 4)), vec(I16, 16))
+    else:  # Q3_K
+        sc = builder.trunc(_kquant_scales(builder, fmt, p)[0], vec(I16, 16))
+    for c in range(4):
+        a, e = (_kquant_run(builder, fmt, p, 2 * c + j) for j in (0, 1))
+        q = builder.sext(shuffle(builder, a, e, perm), vec(I16, 64))
+        scales = pick(builder, sc, [_sub_of(fmt, c, j // 2) for j in range(64)])
+        store(builder, builder.mul(q, scales), buf, at + 128 * c)
+    return mins
+
+
+@intrinsic(prefer_literal=True)
+def kquant_tile(
+    typingctx: Any,
+    raw: Any,
+    off: Any,
+    rb: Any,
+    nb: Any,
+    xw: Any,
+    tile: Any,
+    bsw: Any,
+    dxt: Any,
+    unused: Any,
+    out: Any,
+    oo: Any,
+    ostride: Any,
+    nt: Any,
+    fmt: Any,
+    n_rows: Any,
+) -> Any:
+    """``n_rows`` (1 or 2) weight rows of ``nb`` super-blocks of K-quant ``fmt`` against the
+    16 tokens of tile ``tile`` of the tiled Q8_K activations (:func:`q8k_tiles`): int16
+    pairs ``xw``, the sums for the mins ``bsw`` (int16 pairs: Q2_K the 8 pairs of sums of
+    16, Q4_K/Q5_K the 4 pairs of sums of 32) and d ``dxt`` (float32). Writes as
+    :func:`legacy_tile`."""
+    f = _literal(fmt, KQUANTS, "kquant_tile: fmt")
+    n = _literal(n_rows, (1, 2), "kquant_tile: n_rows")
+    if f is None or n is None:
+        return None
+    ts = TYPE_SIZE[f]
+    n_pairs = 8 if f == Q2_K else 4  # pairs of mins
+
+    def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> Any:
+        a = _tile_args(context, builder, sig, args)
+        first = byte_ptr(builder, a["raw"], a["off"])
+        rows = [byte_ptr(builder, first, builder.mul(a["rb"], i64(r))) for r in range(n)]
+        buf = builder.bitcast(alloca_once(builder, ir.ArrayType(I8, 512 * n)), I8.as_pointer())
+        mbuf = builder.bitcast(alloca_once(builder, ir.ArrayType(I8, 32 * n)), I8.as_pointer())
+        wbuf, mins_buf = opaque(builder, buf), opaque(builder, mbuf)  # see cpu_ir.opaque
+        xw = _tile_start(builder, a["xv"], a, 128 * 64)
+        bsw = _tile_start(builder, a["acts"], a, n_pairs * 64)
+        dxt = _tile_start(builder, a["dxt"], a, 64)
+        zero = ir.Constant(vec(F32, TILE), [ir.Constant(F32, 0.0)] * TILE)
+
+        def super_block(b: Any, state: list[Any]) -> list[Any]:
+            ps = [byte_ptr(builder, rows[r], builder.mul(b, i64(ts))) for r in range(n)]
+            for r in range(n):
+                mins = _weights_i16(builder, f, ps[r], buf, 512 * r)
+                if mins is not None:
+                    store(builder, mins, mbuf, 32 * r)
+            ints = [[splat(I32, 16, 0)] * 8 for _ in range(n)]
+            xb = byte_ptr(builder, xw, builder.mul(b, i64(128 * 64)))
+            for pair in range(128):
+                xs = load(builder, xb, 64 * pair, vec(I32, 16))
+                lane = (pair % 32) // 2 % 8
+                for r in range(n):
+                    w = broadcast(builder, load(builder, wbuf, 512 * r + 4 * pair, I32), 16)
+                    ints[r][lane] = _dot_pairs(builder, ints[r][lane], xs, w)
+            yd = load(builder, dxt, builder.mul(b, i64(64)), vec(F32, TILE))
+            msums = []
+            if f in WITH_MINS:
+                bb = byte_ptr(builder, bsw, builder.mul(b, i64(n_pairs * 64)))
+                for r in range(n):
+                    msum = splat(I32, 16, 0)
+                    for q in range(n_pairs):
+                        bs = load(builder, bb, 64 * q, vec(I32, 16))
+                        mn = broadcast(builder, load(builder, mins_buf, 32 * r + 4 * q, I32), 16)
+                        msum = _dot_pairs(builder, msum, bs, mn)
+                    msums.append(builder.sitofp(msum, vec(F32, TILE)))
+            new = []
+            for r in range(n):
+                total, lanes = state[9 * r], state[9 * r + 1 : 9 * r + 9]
+                d2 = halves(builder, load(builder, ps[r], D_AT[f], vec(I16, 2)))  # d, dmin
+                d = broadcast(builder, builder.extract_element(d2, ir.Constant(I32, 0)), TILE)
+                dd = builder.fmul(d, yd)
+                if f in WITH_MINS:
+                    dmin = broadcast(
+                        builder, builder.extract_element(d2, ir.Constant(I32, 1)), TILE
+                    )
+                    mterm = builder.fmul(builder.fmul(dmin, yd), msums[r])
+                if f == Q2_K:  # one sum per block
+                    isum = ints[r][0]
+                    for lane in range(1, 8):
+                        isum = builder.add(isum, ints[r][lane])
+                    fi = builder.sitofp(isum, vec(F32, TILE))
+                    total = builder.fadd(total, builder.fsub(builder.fmul(dd, fi), mterm))
+                else:
+                    lanes = [
+                        builder.fadd(
+                            acc, builder.fmul(builder.sitofp(ints[r][lane], vec(F32, TILE)), dd)
+                        )
+                        for lane, acc in enumerate(lanes)
+                    ]
+                    if f in WITH_MINS:
+                        total = builder.fsub(total, mterm)
+                new += [total, *lanes]
+            return new
+
+        state = counted_loop(builder, i64(0), a["nb"], [zero] * (9 * n), super_block)
+        for r in range(n):
+            total = state[9 * r]
+            if f != Q2_K:
+                for acc in state[9 * r + 1 : 9 * r + 9]:
+                    total = builder.fadd(total, acc)
+            _scatter(builder, total, a["out"], builder.add(a["oo"], i64(r)), a["ostride"], a["nt"])
+        return context.get_dummy_value()
+
+    sig = types.none(
+        raw, off, rb, nb, xw, tile, bsw, dxt, unused, out, oo, ostride, nt, fmt, n_rows
+    )
+    return sig, codegen
+
+
+# --- activations, tiled ------------------------------------------------------------------------
+
+
+@njit(**INLINE)
+def q8_tiles(x, simd, with_sum, centre):
+    """The rows of ``x`` (T, K) as Q8_0 / Q8_1, tiled for :func:`legacy_tile`: codes ``xv``
+    (int8), and per block and token ``centre`` times the block sum (int32), d and s
+    (float32), ``tpad`` (T rounded up to 16) tokens a block; the padding is zeros."""
+    tokens, k = x.shape
+    nb = k // 32
+    tpad = (tokens + TILE - 1) // TILE * TILE
+    qx = np.empty(tokens * k, np.int8)
+    dx = np.empty((tokens, nb), np.float32)
+    sx = np.zeros((tokens, nb), np.float32)
+    flat = x.reshape(-1)
+    xv = np.zeros(nb * 8 * tpad * 4, np.int8)
+    cxt = np.zeros(nb * tpad, np.int32)
+    dxt = np.zeros(nb * tpad, np.float32)
+    sxt = np.zeros(nb * tpad, np.float32)
+    for t in prange(tokens):
+        q8_row(flat, t, k, simd, with_sum, qx, dx, sx)
+        tile, j = t // TILE, t % TILE
+        for b in range(nb):
+            at = tile * nb + b  # tile-major: a tile's blocks one after the other
+            acc = 0
+            for g in range(8):
+                o = ((at * 8 + g) * TILE + j) * 4
+                for c in range(4):
+                    v = qx[t * k + b * 32 + 4 * g + c]
+                    xv[o + c] = v
+                    acc += v
+            cxt[at * TILE + j] = centre * acc
+            dxt[at * TILE + j] = dx[t, b]
+            sxt[at * TILE + j] = sx[t, b]
+    return xv, cxt, dxt, sxt, tpad
+
+
+@njit(**INLINE)
+def q8k_tiles(x, pairs_of_32):
+    """The rows of ``x`` (T, K) as Q8_K, tiled for :func:`kquant_tile`: int16 pairs ``xw``,
+    the mins' sums ``bsw`` (pairs of the sums of 32 with ``pairs_of_32``, else of 16) and d
+    ``dxt`` (float32), ``tpad`` tokens a super-block; the padding is zeros."""
+    tokens, k = x.shape
+    nb = k // 256
+    tpad = (tokens + TILE - 1) // TILE * TILE
+    xq = np.empty(tokens * k, np.int8)
+    dx = np.empty((tokens, nb), np.float32)
+    bsums = np.empty((tokens, k // 16), np.int32)
+    flat = x.reshape(-1)
+    xw = np.zeros(nb * 128 * tpad * 2, np.int16)
+    n_pairs = 4 if pairs_of_32 else 8
+    bsw = np.zeros(nb * n_pairs * tpad * 2, np.int16)
+    dxt = np.zeros(nb * tpad, np.float32)
+    for t in prange(tokens):
+        q8k_row(flat, t, k, xq, dx, bsums)
+        tile, i = t // TILE, t % TILE
+        for b in range(nb):
+            at = tile * nb + b  # tile-major: a tile's super-blocks one after the other
+            for n in range(128):
+                c, j = n // 32, 2 * (n % 32)
+                o = ((at * 128 + n) * TILE + i) * 2
+                base = t * k + b * 256 + 64 * c
+                xw[o] = xq[base + LANE_ORDER[j]]
+                xw[o + 1] = xq[base + LANE_ORDER[j + 1]]
+            for q in range(n_pairs):
+                o = ((at * n_pairs + q) * TILE + i) * 2
+                for h in range(2):
+                    if pairs_of_32:
+                        s = b * 16 + 4 * q + 2 * h
+                        bsw[o + h] = bsums[t, s] + bsums[t, s + 1]
+                    else:
+                        bsw[o + h] = bsums[t, b * 16 + 2 * q + h]
+            dxt[at * TILE + i] = dx[t, b]
+    return xw, bsw, dxt, tpad
+
+
+# --- drivers -----------------------------------------------------------------------------------
+
+L2_TILES = 1 << 19  # bytes of tiled activations a thread sweeps per pass over its rows
+
+
+@njit(**INLINE)
+def gemm_legacy(buf, offs, rows, x, simd, threads, out, outs_at, fmt):
+    """``x @ W_i.T`` for many tokens ``x`` (T, K) and the 32-block weights ``i`` at bytes
+    ``offs[i]`` of ``buf`` (``rows[i]`` rows each): written row-major (T, rows[i]) to
+    ``out[outs_at[i]:]``. Each thread takes a share of every weight's rows; each group of 4
+    rows meets the tokens a tile of 16 at a time, as many tiles as keep their activations in
+    the core's cache, then the next tiles."""
+    tokens, k = x.shape
+    nb = k // 32
+    rb = nb * SIZES[fmt]
+    with_m = fmt == Q4_1 or fmt == Q5_1
+    centre = 8 if fmt == Q4_0 else 16 if fmt == Q5_0 else 128 if fmt == Q8_0 else 0
+    xv, cxt, dxt, sxt, tpad = q8_tiles(x, simd, with_m, centre)
+    tiles = tpad // TILE
+    per_pass = max(1, L2_TILES // (k * TILE))
+    for c in prange(threads):
+        for p0 in range(0, tiles, per_pass):
+            p1 = min(tiles, p0 + per_pass)
+            for i in range(offs.shape[0]):
+                n, groups = rows[i], rows[i] // 4
+                g0, g1 = _chunk(groups, threads, c)
+                last = n if c == threads - 1 else 4 * g1
+                for r in range(4 * g0, last, 4):
+                    for tt in range(p0, p1):
+                        t0 = tt * TILE
+                        nt = min(TILE, tokens - t0)
+                        o = outs_at[i] + t0 * n + r
+                        if r + 4 <= n:
+                            legacy_tile(
+                                buf,
+                                offs[i] + r * rb,
+                                rb,
+                                nb,
+                                xv,
+                                tt,
+                                cxt,
+                                dxt,
+                                sxt,
+                                out,
+                                o,
+                                n,
+                                nt,
+                                fmt,
+                                4,
+                            )
+                        else:
+                            for j in range(n - r):
+                                legacy_tile(
+                                    buf,
+                                    offs[i] + (r + j) * rb,
+                                    rb,
+                                    nb,
+                                    xv,
+                                    tt,
+                                    cxt,
+                                    dxt,
+                                    sxt,
+                                    out,
+                                    o + j,
+                                    n,
+                                    nt,
+                                    fmt,
+                                    1,
+                                )
+
+
+@njit(**INLINE)
+def gemm_kquant(buf, offs, rows, x, simd, threads, out, outs_at, fmt):
+    """As :func:`gemm_legacy`, for K-quant weights, 2 rows a tile."""
+    tokens, k = x.shape
+    nb = k // 256
+    rb = nb * SIZES[fmt]
+    xw, bsw, dxt, tpad = q8k_tiles(x, fmt == Q4_K or fmt == Q5_K)
+    tiles = tpad // TILE
+    per_pass = max(1, L2_TILES // (2 * k * TILE))
+    for c in prange(threads):
+        for p0 in range(0, tiles, per_pass):
+            p1 = min(tiles, p0 + per_pass)
+            for i in range(offs.shape[0]):
+                n, pairs = rows[i], rows[i] // 2
+                g0, g1 = _chunk(pairs, threads, c)
+                last = n if c == threads - 1 else 2 * g1
+                for r in range(2 * g0, last, 2):
+                    for tt in range(p0, p1):
+                        t0 = tt * TILE
+                        nt = min(TILE, tokens - t0)
+                        o = outs_at[i] + t0 * n + r
+                        if r + 2 <= n:
+                            kquant_tile(
+                                buf,
+                                offs[i] + r * rb,
+                                rb,
+                                nb,
+                                xw,
+                                tt,
+                                bsw,
+                                dxt,
+                                dxt,
+                                out,
+                                o,
+                                n,
+                                nt,
+                                fmt,
+                                2,
+                            )
+                        else:
+                            kquant_tile(
+                                buf,
+                                offs[i] + r * rb,
+                                rb,
+                                nb,
+                                xw,
+                                tt,
+                                bsw,
+                                dxt,
+                                dxt,
+                                out,
+                                o,
+                                n,
+                                nt,
+                                fmt,
+                                1,
+                            )
+
+
+def _compiled(driver: Any, fmt: int, parallel: bool) -> Any:
+    """``driver`` for one format, compiled under a name of its own (see
+    :func:`qllama.backends.cpu_gemv._compiled`)."""
+
+    def kernel(buf, offs, rows, x, simd, threads, out, outs_at):
+        driver(buf, offs, rows, x, simd, threads, out, outs_at, fmt)
+
+    name = f"gemm_{GGMLType(fmt).name}{'' if parallel else '_serial'}"
+    kernel.__name__ = kernel.__qualname__ = name
+    return njit(**JIT, parallel=parallel)(kernel)
+
+
+# format id -> (parallel, serial) compiled kernels, as cpu_gemv.KERNELS
+KERNELS = {
+    fmt: tuple(
+        _compiled(gemm_legacy if fmt in LEGACY else gemm_kquant, fmt, p) for p in (True, False)
+    )
+    for fmt in LEGACY + KQUANTS
+}
