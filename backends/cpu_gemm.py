@@ -70,7 +70,7 @@ from qllama.backends.cpu_ir import (
     store,
     vec,
 )
-from qllama.backends.cpu_quantize import INLINE, JIT, q8_row, q8k_row
+from qllama.backends.cpu_quantize import INLINE, named_kernel, q8_row, q8k_row
 from qllama.backends.cpu_simd import (
     KQUANTS,
     LEGACY,
@@ -88,7 +88,6 @@ from qllama.backends.cpu_simd import (
     _kquant_scales,
     _literal,
 )
-from qllama.ggml_types import GGMLType
 
 TILE = 16  # tokens a vector
 
@@ -604,22 +603,21 @@ def gemm_kquant(buf, offs, rows, x, simd, threads, out, outs_at, fmt):
                             )
 
 
-def _compiled(driver: Any, fmt: int, parallel: bool) -> Any:
-    """``driver`` for one format, compiled under a name of its own (see
-    :func:`qllama.backends.cpu_gemv._compiled`)."""
+def _kernel(fmt: int, parallel: bool) -> Any:
+    """The driver for one format, the format a constant (every branch on it folded away).
+    The drivers are named as globals, not held in the closure: numba caches a closure over
+    ints and bools, not over a dispatcher."""
+    legacy = fmt in LEGACY
 
     def kernel(buf, offs, rows, x, simd, threads, out, outs_at):
-        driver(buf, offs, rows, x, simd, threads, out, outs_at, fmt)
+        if legacy:
+            gemm_legacy(buf, offs, rows, x, simd, threads, out, outs_at, fmt)
+        else:
+            gemm_kquant(buf, offs, rows, x, simd, threads, out, outs_at, fmt)
 
-    name = f"gemm_{GGMLType(fmt).name}{'' if parallel else '_serial'}"
-    kernel.__name__ = kernel.__qualname__ = name
-    return njit(**JIT, parallel=parallel)(kernel)
+    return named_kernel(kernel, "gemm", fmt, parallel)
 
 
-# format id -> (parallel, serial) compiled kernels, as cpu_gemv.KERNELS
-KERNELS = {
-    fmt: tuple(
-        _compiled(gemm_legacy if fmt in LEGACY else gemm_kquant, fmt, p) for p in (True, False)
-    )
-    for fmt in LEGACY + KQUANTS
-}
+# format id -> (parallel, serial) compiled kernels:
+# ``kernel(buf, offs, rows, x, simd, threads, out, outs_at)``
+KERNELS = {fmt: (_kernel(fmt, True), _kernel(fmt, False)) for fmt in LEGACY + KQUANTS}

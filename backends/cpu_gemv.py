@@ -61,7 +61,7 @@ from qllama.backends.cpu_ir import (
     store,
     vec,
 )
-from qllama.backends.cpu_quantize import INLINE, JIT, q8_row, q8k_row
+from qllama.backends.cpu_quantize import INLINE, JIT, named_kernel, q8_row, q8k_row
 from qllama.backends.cpu_simd import (
     KQUANTS,
     LEGACY,
@@ -81,7 +81,6 @@ from qllama.backends.cpu_simd import (
     _literal,
     _reduce_together,
 )
-from qllama.ggml_types import GGMLType
 
 TYPE_SIZE = {Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34}
 TYPE_SIZE |= {Q2_K: 84, Q3_K: 110, Q4_K: 144, Q5_K: 176, Q6_K: 210}
@@ -599,23 +598,21 @@ def gemv_kquant(buf, offs, rows, x, simd, threads, out, outs_at, fmt):
                     )
 
 
-def _compiled(driver: Any, fmt: int, parallel: bool) -> Any:
-    """``driver`` for one format, compiled under a name of its own (numba's disk cache is
-    keyed by name and signature, not by ``parallel``), the format a constant."""
+def _kernel(fmt: int, parallel: bool) -> Any:
+    """The driver for one format, the format a constant (every branch on it folded away).
+    The drivers are named as globals, not held in the closure: numba caches a closure over
+    ints and bools, not over a dispatcher."""
+    legacy = fmt in LEGACY
 
     def kernel(buf, offs, rows, x, simd, threads, out, outs_at):
-        driver(buf, offs, rows, x, simd, threads, out, outs_at, fmt)
+        if legacy:
+            gemv_legacy(buf, offs, rows, x, simd, threads, out, outs_at, fmt)
+        else:
+            gemv_kquant(buf, offs, rows, x, simd, threads, out, outs_at, fmt)
 
-    name = f"gemv_{GGMLType(fmt).name}{'' if parallel else '_serial'}"
-    kernel.__name__ = kernel.__qualname__ = name
-    return njit(**JIT, parallel=parallel)(kernel)
+    return named_kernel(kernel, "gemv", fmt, parallel)
 
 
 # format id -> (parallel, serial) compiled kernels:
 # ``kernel(buf, offs, rows, x, simd, threads, out, outs_at)``
-KERNELS = {
-    fmt: tuple(
-        _compiled(gemv_legacy if fmt in LEGACY else gemv_kquant, fmt, p) for p in (True, False)
-    )
-    for fmt in LEGACY + KQUANTS
-}
+KERNELS = {fmt: (_kernel(fmt, True), _kernel(fmt, False)) for fmt in LEGACY + KQUANTS}

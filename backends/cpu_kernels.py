@@ -43,7 +43,7 @@ import numpy as np
 from numba import njit, prange
 
 from qllama.backends import cpu_gemm, cpu_gemv
-from qllama.backends.cpu_quantize import INLINE, JIT, TOKEN_TILE, q8_row, q8k_row
+from qllama.backends.cpu_quantize import INLINE, JIT, TOKEN_TILE, named_kernel, q8_row, q8k_row
 from qllama.backends.cpu_simd import (
     IQ4_NL,
     IQ4_XS,
@@ -598,15 +598,6 @@ def _iq_tiles(raw, fmt, r0, r1, xw, tpad, dxt, out):
             _unstage(stage, at + 1, out, r - at)
 
 
-def _named(kernel: Any, family: str, fmt: int, parallel: bool) -> Any:
-    """Compile ``kernel`` under a name of its own: numba's disk cache is keyed by the
-    function's name and signature (not by ``parallel``), and by its closure's values (an
-    int here: a dispatcher there would make it uncacheable)."""
-    name = f"{family}_{GGMLType(fmt).name}{'' if parallel else '_serial'}"
-    kernel.__name__ = kernel.__qualname__ = name
-    return njit(**JIT, parallel=parallel)(kernel)
-
-
 # One kernel per weight format, the format a constant and every branch on it folded away:
 # a branch at run time costs more than it seems (LLVM merges the formats' stores into one
 # place, then decodes every format to select one: 5x slower on K-quant headers).
@@ -614,14 +605,14 @@ def _legacy_kernel(fmt: int, parallel: bool) -> Any:
     def kernel(raw, rows, x, simd, threads):
         return _matmul_legacy(raw, fmt, rows, x, simd, threads)
 
-    return _named(kernel, "matmul", fmt, parallel)
+    return named_kernel(kernel, "matmul", fmt, parallel)
 
 
 def _iq_kernel(fmt: int, parallel: bool) -> Any:
     def kernel(raw, rows, x, simd, threads):
         return _matmul_iq(raw, fmt, rows, x, simd, threads)
 
-    return _named(kernel, "matmul", fmt, parallel)
+    return named_kernel(kernel, "matmul", fmt, parallel)
 
 
 # Each format parallel over weight rows (numba's threads) and serial: a parallel region has

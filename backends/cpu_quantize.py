@@ -21,6 +21,18 @@ from qllama.backends.cpu_simd import HALF, bits_float, float_bits, round_to_half
 JIT: dict[str, Any] = {"cache": True, "error_model": "numpy"}
 INLINE: dict[str, Any] = {**JIT, "inline": "always"}
 
+
+def named_kernel(kernel: Any, family: str, fmt: int, parallel: bool) -> Any:
+    """Compile ``kernel`` under a name of its own, ``{family}_{type}[_serial]``: numba's disk
+    cache is keyed by the function's name and signature (not by ``parallel``), and by its
+    closure's values (an int here: a dispatcher there would make it uncacheable)."""
+    from qllama.ggml_types import GGMLType
+
+    name = f"{family}_{GGMLType(fmt).name}{'' if parallel else '_serial'}"
+    kernel.__name__ = kernel.__qualname__ = name
+    return njit(**JIT, parallel=parallel)(kernel)
+
+
 F32 = np.float32
 INT32_MIN = np.int32(-(2**31))
 TWO31 = np.float32(2.0**31)

@@ -498,8 +498,8 @@ class NumpyBackend(ArrayBackend):
             starts = ends - tokens * rows
             flat = np.empty(int(ends[-1]), F32)
             stream(*buffer, rows, x, simd, threads, flat, starts)
-            spans = zip(starts.tolist(), ends.tolist(), strict=True)
-            outs = tuple(flat[a:e].reshape(tokens, -1) for a, e in spans)  # (tokens, rows_i)
+            spans = zip(starts.tolist(), rows.tolist(), strict=True)
+            outs = tuple(flat[a : a + tokens * r].reshape(tokens, r) for a, r in spans)
         if not self._blas_limited:  # after the first call, which loads the last BLAS (scipy's)
             self._blas_limited = True
             if self.blas_threads is not None:
