@@ -88,6 +88,13 @@ _EXACT_F64 = 2**53
 SERIAL_MACS = 1 << 17
 
 
+def _exporter(a: np.ndarray) -> Any:
+    """The object whose buffer ``a`` views (the file's map, for a file's tensors; each
+    ``np.frombuffer`` of a memoryview has a memoryview of its own), or None."""
+    base = a.base
+    return base.obj if isinstance(base, memoryview) else base
+
+
 def _limit_blas(threads: int) -> None:
     """Cap every loaded BLAS at ``threads`` threads (process-wide; threadpoolctl if present)."""
     try:
@@ -120,6 +127,52 @@ class Packed:
             self.tensor, shape=(raw.shape[0], self.tensor.row_length), data=raw.reshape(-1)
         )
         return part, self.fmt.unpack(raw.reshape(-1, self.fmt.type_size))
+
+
+@dataclass(frozen=True)
+class Streams:
+    """Weights that one call of a streaming kernel takes: one format, one row length, views
+    of one buffer (the file's map), at byte ``offsets`` of it."""
+
+    code: int  # the GGML type
+    buffer: np.ndarray  # uint8
+    offsets: np.ndarray  # int64, each weight's first byte in ``buffer``
+    rows: np.ndarray  # int64, each weight's rows
+    starts: np.ndarray  # int64, each weight's first row among all of them
+    spans: tuple[tuple[int, int], ...]  # (start, rows) of each, as ints
+    macs_per_token: int
+
+    @classmethod
+    def of(cls, ws: Sequence[Any]) -> Streams | None:
+        """The streams of ``ws``, or None where one call cannot take them all: another
+        kind of weight, a format without streaming kernels, two formats or row lengths, or
+        weights that are not views of one buffer."""
+        if not all(isinstance(w, Packed) for w in ws):
+            return None
+        code, k = ws[0].tensor.ggml_type, ws[0].tensor.row_length
+        if code not in STREAMING_TYPES:
+            return None
+        rows = np.array([w.tensor.rows for w in ws], np.int64)
+        starts = np.cumsum(rows) - rows
+        spans = tuple(zip(starts.tolist(), rows.tolist(), strict=True))
+        if len(ws) == 1:
+            buffer, offsets = ws[0].tensor.data, ONE_OFFSET
+        else:
+            base = _exporter(ws[0].tensor.data)
+            if base is None or any(
+                w.tensor.ggml_type != code
+                or w.tensor.row_length != k
+                or _exporter(w.tensor.data) is not base
+                for w in ws
+            ):
+                return None
+            try:
+                buffer = np.frombuffer(base, dtype=np.uint8)
+            except (TypeError, ValueError, BufferError):  # not one contiguous buffer
+                return None
+            start = buffer.ctypes.data
+            offsets = np.array([w.tensor.data.ctypes.data - start for w in ws], np.int64)
+        return cls(int(code), buffer, offsets, rows, starts, spans, int(rows.sum()) * k)
 
 
 @dataclass(frozen=True)
@@ -342,6 +395,8 @@ class NumpyBackend(ArrayBackend):
         self.blas_threads = blas_threads
         self._blas_limited = False
         self._kernel_state: tuple[int, Any, int] | None = None  # thread id, module, threads
+        # ids of weights -> (the weights, kept so that the ids stay theirs; their Streams)
+        self._known_streams: dict[tuple[int, ...], tuple[tuple[Any, ...], Streams | None]] = {}
 
     @property
     def weight_types(self) -> frozenset[GGMLType]:
@@ -439,14 +494,25 @@ class NumpyBackend(ArrayBackend):
 
     def _matmul_kernels(self, x: np.ndarray, w: Packed) -> np.ndarray:
         """The same numbers as :meth:`_matmul_q8`'s integer path, from compiled kernels."""
-        return self._kernel_matmuls(x, (w,), (w.tensor.data, ONE_OFFSET))[0]
+        streams = self._streams((w,))
+        if streams is None:  # a format of cpu_kernels' own loops
+            ck, threads = self._kernels_for_this_thread()
+            x = np.ascontiguousarray(x, dtype=F32)
+            serial = threads == 1 or x.size * w.tensor.rows < SERIAL_MACS
+            kernel = ck.kernel(int(w.tensor.ggml_type), serial=serial)
+            out: np.ndarray = kernel(
+                w.tensor.data, w.tensor.rows, x, self.activation_rounding == "simd", threads
+            )
+            self._limit_blas_once()
+            return out
+        return self._stream(x, streams)[0]
 
     def matmuls(self, x: Any, ws: Sequence[Packed | Dense]) -> tuple[Any, ...]:
         """``x @ W.T`` for each of ``ws``, the same numbers as :meth:`matmul` on each: one
-        kernel call where the compiled kernels compute them all (one streaming format, one
-        file), so that a layer's Q, K and V (or gate and up) cost one dispatch."""
-        buffer = self._one_buffer(ws) if self.kernels == "numba" and self._q8 else None
-        if buffer is None:
+        kernel call where the streaming kernels compute them all (one format, one file), so
+        that a layer's Q, K and V (or gate and up) cost one dispatch."""
+        streams = self._streams(ws) if self.kernels == "numba" and self._q8 else None
+        if streams is None:
             return tuple(self.matmul(x, w) for w in ws)
         x = np.asarray(x, dtype=F32)
         if x.ndim != 2 or x.shape[1] != ws[0].tensor.row_length:
@@ -454,57 +520,37 @@ class NumpyBackend(ArrayBackend):
                 f"matmul with '{ws[0].tensor.name}' {ws[0].tensor.shape} needs activations "
                 f"(T, {ws[0].tensor.row_length}), got {x.shape}"
             )
-        return self._kernel_matmuls(x, ws, buffer)
+        return self._stream(x, streams)
 
-    def _one_buffer(self, ws: Sequence[Any]) -> tuple[np.ndarray, np.ndarray] | None:
-        """Where weights that one streaming call can take lie: the buffer they are all views
-        of (the file's map) and their byte offsets in it; None where they are not such."""
-        first = ws[0]
-        if not all(isinstance(w, Packed) for w in ws):
-            return None
-        code, k = first.tensor.ggml_type, first.tensor.row_length
-        base = first.tensor.data.base
-        if code not in STREAMING_TYPES or base is None:
-            return None
-        if any(
-            w.tensor.ggml_type != code or w.tensor.row_length != k or w.tensor.data.base is not base
-            for w in ws
-        ):
-            return None
-        try:
-            whole = np.frombuffer(base, dtype=np.uint8)
-        except (TypeError, ValueError, BufferError):  # not one contiguous buffer
-            return None
-        start = whole.ctypes.data
-        return whole, np.array([w.tensor.data.ctypes.data - start for w in ws], np.int64)
+    def _streams(self, ws: Sequence[Any]) -> Streams | None:
+        """What one streaming call needs for ``ws`` (remembered per tuple of weights), or
+        None where one call cannot take them all."""
+        key = tuple(map(id, ws))
+        known = self._known_streams.get(key)
+        if known is None:
+            known = self._known_streams[key] = (tuple(ws), Streams.of(ws))
+        return known[1]
 
-    def _kernel_matmuls(
-        self, x: np.ndarray, ws: Sequence[Packed], buffer: tuple[np.ndarray, np.ndarray]
-    ) -> tuple[np.ndarray, ...]:
-        """The compiled kernels on weights of one format: the streaming kernel, all of ``ws``
-        at once (at byte offsets ``buffer[1]`` of ``buffer[0]``), or one call each."""
+    def _stream(self, x: np.ndarray, s: Streams) -> tuple[np.ndarray, ...]:
+        """The streaming kernel on all the weights of ``s``: one (T, rows_i) array each."""
         ck, threads = self._kernels_for_this_thread()
         x = np.ascontiguousarray(x, dtype=F32)
-        tokens, k = x.shape
-        code, simd = int(ws[0].tensor.ggml_type), self.activation_rounding == "simd"
-        rows = np.array([w.tensor.rows for w in ws], np.int64)
-        serial = threads == 1 or tokens * k * int(rows.sum()) < SERIAL_MACS
-        stream = ck.streaming(code, tokens, serial=serial)
-        if stream is None:
-            kernel = ck.kernel(code, serial=serial)
-            outs = tuple(kernel(w.tensor.data, w.tensor.rows, x, simd, threads) for w in ws)
-        else:
-            ends = tokens * np.cumsum(rows)
-            starts = ends - tokens * rows
-            flat = np.empty(int(ends[-1]), F32)
-            stream(*buffer, rows, x, simd, threads, flat, starts)
-            spans = zip(starts.tolist(), rows.tolist(), strict=True)
-            outs = tuple(flat[a : a + tokens * r].reshape(tokens, r) for a, r in spans)
+        tokens = x.shape[0]
+        serial = threads == 1 or tokens * s.macs_per_token < SERIAL_MACS
+        stream = ck.streaming(s.code, tokens, serial=serial)
+        flat = np.empty(tokens * int(s.starts[-1] + s.rows[-1]), F32)
+        simd = self.activation_rounding == "simd"
+        stream(s.buffer, s.offsets, s.rows, x, simd, threads, flat, tokens * s.starts)
+        self._limit_blas_once()
+        return tuple(
+            flat[tokens * a : tokens * (a + r)].reshape(tokens, r) for a, r in s.spans
+        )  # (tokens, rows_i) each
+
+    def _limit_blas_once(self) -> None:
         if not self._blas_limited:  # after the first call, which loads the last BLAS (scipy's)
             self._blas_limited = True
             if self.blas_threads is not None:
                 _limit_blas(self.blas_threads)
-        return outs
 
     def _kernels_for_this_thread(self) -> tuple[Any, int]:
         """The kernels module and numba's thread count in the calling thread (numba keeps

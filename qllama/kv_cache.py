@@ -1,11 +1,12 @@
 """The model's key/value cache, and the precision attention runs in.
 
 Keys and values live in arrays of a fixed capacity, grown in steps of ``CAPACITY_STEP``
-positions; new rows are written with ``take`` and ``where`` (no in-place update, which jax and
-array-api-strict lack, and no Python slice at a moving position). Array shapes therefore
-change only when the capacity grows, so jax compiles each operation a handful of times
-rather than once per token. Attention runs over the whole capacity; the causal mask hides
-the positions not yet written.
+positions. New rows are written in place where the namespace's arrays are mutable (numpy,
+torch); elsewhere with ``take`` and ``where`` (jax and array-api-strict have no in-place
+update, and a Python slice at a moving position would make jax compile again). Both store
+the same values. Array shapes therefore change only when the capacity grows, so jax compiles
+each operation a handful of times rather than once per token. Attention runs over the whole
+capacity; the causal mask hides the positions not yet written.
 
 candle keeps the cache and attention in float32. llama.cpp's default cache is f16, so its
 K and V are rounded to half when stored. Without flash attention its KQ and KQV products
@@ -19,6 +20,8 @@ Both need a namespace with ``float16`` (numpy, torch, jax).
 from __future__ import annotations
 
 from typing import Any
+
+from array_api_compat import is_numpy_namespace, is_torch_namespace
 
 from qllama.errors import BackendError
 
@@ -56,6 +59,8 @@ class KVCache:
             )
         self.xp, self.device, self.precision, self._half = xp, device, precision, half
         self._half_operands = precision == "f16"  # Q and the probabilities too
+        # a decode step's write then costs its own rows, not a copy of the whole capacity
+        self._in_place = is_numpy_namespace(xp) or is_torch_namespace(xp)
         self.row_shape = (n_head_kv, head_dim)
         self.v_row_shape = (n_head_kv, head_dim if head_dim_v is None else head_dim_v)
         self.k: list[Any] = [None] * n_layer
@@ -77,10 +82,14 @@ class KVCache:
         if need <= self.capacity:
             return
         xp, rows = self.xp, need - self.capacity
-        pad = xp.zeros((rows, *self.row_shape), dtype=xp.float32, device=self.device)
-        pad_v = xp.zeros((rows, *self.v_row_shape), dtype=xp.float32, device=self.device)
-        self.k = [pad if k is None else xp.concat([k, pad], axis=0) for k in self.k]
-        self.v = [pad_v if v is None else xp.concat([v, pad_v], axis=0) for v in self.v]
+
+        def grown(old: Any, shape: tuple[int, ...]) -> Any:
+            # an array of its own per layer: rows are written into it in place
+            pad = xp.zeros((rows, *shape), dtype=xp.float32, device=self.device)
+            return pad if old is None else xp.concat([old, pad], axis=0)
+
+        self.k = [grown(k, self.row_shape) for k in self.k]
+        self.v = [grown(v, self.v_row_shape) for v in self.v]
         self.capacity = need
         self.slots = xp.arange(need, dtype=xp.int32, device=self.device)  # (capacity,)
 
@@ -99,6 +108,10 @@ class KVCache:
         """Write this step's ``(T, n_head_kv, head_dim)`` keys and ``(T, n_head_kv,
         head_dim_v)`` values at ``pos``; return the layer's whole cache (capacity rows)."""
         xp, T = self.xp, k.shape[0]
+        if self._in_place:
+            self.k[layer][pos : pos + T] = self._stored(k)
+            self.v[layer][pos : pos + T] = self._stored(v)
+            return self.k[layer], self.v[layer]
         fresh = (self.slots >= pos) & (self.slots < pos + T)  # (capacity,)
         src = xp.clip(self.slots - pos, 0, T - 1)  # row of k feeding each slot
         self.k[layer] = xp.where(

@@ -146,11 +146,25 @@ def test_matmuls_of_one_input_equal_one_matmul_each(qtype, tokens, parallelism):
     x = hard_activations(tokens, k, seed=tokens)
     fast, oracle = backends("ref", parallelism)
     prepared = [fast.prepare(w) for w in ws]
-    assert fast._one_buffer(prepared) is not None  # the fused call, not the fallback
+    assert fast._streams(prepared) is not None  # the fused call, not the fallback
     fused = matmuls(fast, x, prepared)
     for w, p, got in zip(ws, prepared, fused, strict=True):
         agree(got, fast.matmul(x, p))
         agree(got, oracle.matmul(x, oracle.prepare(w)))
+
+
+def test_a_files_layer_shares_one_call(tmp_path):
+    """The tensors of a loaded file are views of its one map: Q, K, V go in one call."""
+    import qllama
+    from qllama.synthetic import TinyConfig, write_tiny
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny(path, TinyConfig(weight_type="Q8_0"))
+    model = qllama.load(path, backend="numpy", kernels="numba")
+    layer = model.weights.layers[0]
+    qkv, gate_up = [layer.attn_q, layer.attn_k, layer.attn_v], [layer.ffn_gate, layer.ffn_up]
+    assert model.backend._streams(qkv) is not None
+    assert model.backend._streams(gate_up) is not None
 
 
 def test_matmuls_that_cannot_share_a_call_are_made_one_by_one():
@@ -162,7 +176,7 @@ def test_matmuls_that_cannot_share_a_call_are_made_one_by_one():
     fast, oracle = backends("ref", "parallel")
     for ws in (mixed, apart):
         prepared = [fast.prepare(w) for w in ws]
-        assert fast._one_buffer(prepared) is None
+        assert fast._streams(prepared) is None
         for w, got in zip(ws, matmuls(fast, x, prepared), strict=True):
             agree(got, oracle.matmul(x, oracle.prepare(w)))
     with pytest.raises(TensorShapeError, match=r"needs activations \(T, 512\)"):
