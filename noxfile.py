@@ -149,8 +149,11 @@ def bench(session: nox.Session) -> None:
     """Speed and memory against transformers and llama.cpp, 2 threads: writes docs/bench.md.
 
     Builds llama-cpp-python (~6 min; skipped with a note in the report if it fails), then
-    runs every configuration in its own process (~30 min on 2 cores). Run it on a quiet
-    machine: the report records the load average. `-- --quick` or `-- --only TEXT` for less.
+    runs every configuration in its own process (~30 min on 2 cores), then the section
+    "At scale" (~20 min more: 135M and a 1B-shaped synthetic llama written once into the
+    cache, decode time against context length; `-- --scale-3b` adds a 3B shape, ~15 min more;
+    `-- --no-scale` skips it, `-- --only scale` runs it alone). Run it on a quiet machine: the
+    report records the load average. `-- --quick` or `-- --only TEXT` for less.
     """
     session.install(TORCH, *REFERENCE)
     session.install(".[torch,jax,fast,reference,serve]", "openai>=1.40", "psutil")

@@ -1,6 +1,7 @@
 """Speed and memory of qllama's backends against transformers and llama.cpp: docs/bench.md.
 
     python benchmarks/bench.py [--out docs/bench.md] [--threads 2] [--quick] [--only TEXT]
+                               [--no-scale] [--scale-3b]
 
 (``nox -s bench`` runs it with every peer installed.) On the SmolLM2 F32, Q8_0 and Q4_K_M
 files, with the same token ids everywhere (the study's chat prompt and 300 greedy tokens),
@@ -8,7 +9,10 @@ each configuration runs in a process of its own, pinned to ``--threads`` CPUs wi
 thread pool sized to match, and reports load time, prefill and all-position teacher-forcing
 throughput, step-by-step decoding throughput and its peak RSS. Medians of ``--repeats``
 runs, after a warm-up run. Wall-clock numbers depend on what else the machine runs: the
-report records the load average before and after.
+report records the load average before and after. Then the section "At scale"
+(benchmarks/scale.py): the CPU arithmetic against llama.cpp on 135M, 1B (and, with
+``--scale-3b``, 3B) llamas, with GB/s beside the machine's copy bandwidth, a scaling table and
+decode time against context length; ``--only scale`` runs it alone, ``--no-scale`` skips it.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+
+import scale  # noqa: E402  (beside this file)
 
 MODEL = "smollm2-135m-instruct"
 MESSAGES = [{"role": "user", "content": "Explain how a CPU cache works."}]
@@ -271,6 +277,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--serve-requests", type=int, default=50, help="per client, serve_load.py")
     p.add_argument("--no-serve", action="store_true", help="skip the serving load test")
     p.add_argument("--worker", help=argparse.SUPPRESS)
+    scale.add_arguments(p)
     return p.parse_args(argv)
 
 
@@ -292,15 +299,26 @@ def main(argv: list[str] | None = None) -> int:
     paths = {ft: str(variant(MODEL, ft)) for ft in FILES}
     sizes = {ft: os.path.getsize(p) / 1e6 for ft, p in paths.items()}
 
-    print("token ids: prompt + greedy continuation ...", flush=True)
-    ids_job = {"kind": "ids", "file": paths["F32"], "messages": MESSAGES, "new_tokens": NEW_TOKENS}
-    got = run_worker({**ids_job, "threads": args.threads}, sys.executable, args.threads, 1800)
-    if got.result is None:
-        print(f"cannot make the token ids: {got.error}", file=sys.stderr)
-        return 1
-    ids, prompt_len = got.result["ids"], got.result["prompt_len"]
+    # `--only scale`: that section alone, without the token ids of the others
+    smol = not (args.only is not None and scale.selected(args))
+    ids: list[int] = []
+    prompt_len, first_stop = 0, None
+    if smol:
+        print("token ids: prompt + greedy continuation ...", flush=True)
+        ids_job = {
+            "kind": "ids",
+            "file": paths["F32"],
+            "messages": MESSAGES,
+            "new_tokens": NEW_TOKENS,
+        }
+        got = run_worker({**ids_job, "threads": args.threads}, sys.executable, args.threads, 1800)
+        if got.result is None:
+            print(f"cannot make the token ids: {got.error}", file=sys.stderr)
+            return 1
+        ids, prompt_len = got.result["ids"], got.result["prompt_len"]
+        first_stop = got.result.get("first_stop")
 
-    if probe(sys.executable, "numba"):
+    if smol and probe(sys.executable, "numba"):
         print("numba kernels: compiling or loading from the cache ...", flush=True)
         for ft in FILES:
             warm = run_worker(
@@ -363,7 +381,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_serve and (args.only is None or args.only.lower() in "serving"):
         serving = run_serving(args, paths["Q8_0"], llama_note)
 
+    at_scale = scale.run(args, llama_note) if scale.selected(args) else None
+
     info = {
+        "scale": at_scale,
         "serving": serving,
         "observer": observer,
         "date": started.strftime("%Y-%m-%d %H:%M UTC"),
@@ -376,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
         "decode_steps": args.decode_steps,
         "tokens": len(ids),
         "prompt_len": prompt_len,
-        "first_stop": got.result.get("first_stop"),
+        "first_stop": first_stop,
         "file_mb": sizes,
         "llama_note": llama_note,
         "ppl_windows": args.ppl_windows,

@@ -248,6 +248,26 @@ def write_report(
         "",
         "Versions: " + ", ".join(f"{k} {val}" for k, val in v.items()) + ".",
         "",
+    ]
+    if info["tokens"]:  # the SmolLM2 section ran (not `--only scale`)
+        lines += smollm2_md(table, info, outcomes)
+    if info.get("scale"):
+        from scale import markdown as scale_md
+
+        lines += scale_md(info["scale"])
+    if info["llama_note"]:
+        lines += [f"llama.cpp skipped: {info['llama_note']}.", ""]
+    if failed:
+        lines += ["Failed configurations:", "", *[f"- {f}" for f in failed], ""]
+    with atomic_write(path, "w") as f:
+        f.write("\n".join(lines))
+
+
+def smollm2_md(
+    table: list[Row], info: dict[str, Any], outcomes: dict[str, tuple[Config, Outcome]]
+) -> list[str]:
+    """The SmolLM2 rows: the table, targets, profile, perplexity, observer and serving."""
+    lines = [
         f"Tokens: the study's chat prompt ({info['prompt_len']} tokens) and "
         f"{info['tokens'] - info['prompt_len']} greedy tokens (qllama, F32 file, dequantize-all; "
         "end of turn ignored"
@@ -306,9 +326,4 @@ def write_report(
 
         serving = info["serving"]
         lines += markdown(serving["results"], serving["info"])
-    if info["llama_note"]:
-        lines += [f"llama.cpp skipped: {info['llama_note']}.", ""]
-    if failed:
-        lines += ["Failed configurations:", "", *[f"- {f}" for f in failed], ""]
-    with atomic_write(path, "w") as f:
-        f.write("\n".join(lines))
+    return lines

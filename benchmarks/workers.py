@@ -393,6 +393,14 @@ def run_llama_perplexity(job: dict) -> dict:
     return result
 
 
+def run_scale(job: dict) -> dict:
+    """The section "At scale"'s own kinds (benchmarks/scale.py): copy bandwidth, decode
+    against context length."""
+    from scale import WORKERS
+
+    return WORKERS[job["kind"]](job)
+
+
 KINDS: dict[str, Callable[[dict], dict]] = {
     "qllama": run_qllama,
     "ids": run_ids,
@@ -402,6 +410,9 @@ KINDS: dict[str, Callable[[dict], dict]] = {
     "perplexity": run_perplexity,
     "llama_perplexity": run_llama_perplexity,
     "observer": run_observer,
+    "copy": run_scale,
+    "context_qllama": run_scale,
+    "context_llama_cpp": run_scale,
 }
 
 
