@@ -1,16 +1,16 @@
 """Decoding kernels: a few tokens against every weight row, streamed once at memory speed.
 
-Each weight row's dot product with one token is one loop in LLVM IR (:func:`legacy_row`,
-:func:`kquant_row`), its accumulators in registers from the first block to the last, so
-that the bytes of a row are read once, in order, and used as they arrive:
+Each weight row's dot product with one token is one loop in LLVM IR (:func:`legacy_rows`,
+:func:`kquant_row`, :func:`iq4xs_row`), its accumulators in registers from the first block
+to the last, so that the bytes of a row are read once, in order, and used as they arrive:
 
-* **32-blocks** (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), 16 blocks a step: the codes as stored
-  (unsigned: Q8_0's ``w ^ 0x80``, i.e. ``w + 128``) times the activations, four products a
-  lane (``vpdpbusd``), the 16 blocks' lanes reduced together; minus the centre times the
-  activations' block sum (8, 16 or 128: precomputed per token) gives ``integer_form``'s
-  sums; the 16 fp16 scales in one gather; ``(d*y.d)*isum`` (Q4_0: ``(isum*d)*y.d``;
-  ``+ m*y.s`` for the _1 types) for the 16 blocks at once, then added to the row's sum one
-  by one, in block order.
+* **32-blocks** (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), 4 rows and 4 blocks a step: the codes as
+  stored (unsigned: Q8_0's ``w ^ 0x80``, i.e. ``w + 128``) times the activations, four
+  products a lane (``vpdpbusd``), the 16 dot products' lanes reduced together; minus the
+  centre times the activations' block sum (8, 16 or 128: precomputed per token) gives
+  ``integer_form``'s sums; the 16 fp16 scales in one gather; ``(d*y.d)*isum`` (Q4_0:
+  ``(isum*d)*y.d``; ``+ m*y.s`` for the _1 types) for the 16 at once, then added to each
+  row's sum one by one, in block order.
 * **K-quants** (Q2_K..Q6_K), a 256-super-block a step: ggml's 8 accumulator lanes (element
   ``e`` in lane ``e % 8``). The activations are permuted once per token within each 64
   (:data:`LANE_ORDER`) so that adjacent bytes share a lane and a 16-sub-block; the codes get
@@ -18,6 +18,10 @@ that the bytes of a row are read once, in order, and used as they arrive:
   ``vpmaddwd`` multiplies by the sub-block scales and adds two pairs of one lane. The 8 lane
   sums are scaled by ``d*y.d`` into 8 float32 accumulators (one vector), the mins term
   ``(dmin*y.d)*msum`` subtracted from the row's sum, the lanes added at the end in order.
+* **IQ4_XS**, a 256-super-block a step: each 32-block's levels plus 128 (a ``pshufb`` table
+  lookup of its nibbles) times the Q8_K activations (``vpdpbusd``), minus 128 times their
+  block sums; the 8 sub-block scales ``ls - 32`` as one vector; ``((d*y.d)*(ls - 32))*isum``
+  added to the row's sum sub-block by sub-block.
 
 These are the same integers and the same float32 operations, in the same order, as ggml's
 generic C and :func:`qllama.backends.numpy_cpu.vec_dot`: ``tests/test_cpu_kernels.py`` checks
@@ -63,6 +67,7 @@ from qllama.backends.cpu_ir import (
 )
 from qllama.backends.cpu_quantize import INLINE, JIT, named_kernel, q8_row, q8k_row
 from qllama.backends.cpu_simd import (
+    IQ4_XS,
     KQUANTS,
     LEGACY,
     Q2_K,
@@ -79,8 +84,11 @@ from qllama.backends.cpu_simd import (
     _kquant_scales,
     _legacy_codes,
     _literal,
+    _nibbles,
     _reduce_together,
+    _table_lookup,
 )
+from qllama.quants import iq4_search
 
 TYPE_SIZE = {Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34}
 TYPE_SIZE |= {Q2_K: 84, Q3_K: 110, Q4_K: 144, Q5_K: 176, Q6_K: 210}
@@ -462,6 +470,132 @@ def kquant_row(
 # --- drivers -----------------------------------------------------------------------------------
 
 
+# --- IQ4_XS -----------------------------------------------------------------------------------
+
+IQ4_XS_SIZE = 136  # d (fp16), scales_h (u16), scales_l (4 bytes), qs (128 bytes)
+IQ4_LEVELS = [(int(v) + 128) & 0xFF for v in iq4_search.KVALUES]  # unsigned: levels + 128
+
+
+def _iq4xs_codes(builder: ir.IRBuilder, p: Any, j: int) -> Any:
+    """Sub-block ``j``'s 32 levels plus 128 (unsigned bytes) of the super-block at ``p``: the
+    low nibbles of its 16 ``qs`` bytes are elements 0..15, the high ones 16..31."""
+    qs = load(builder, p, 8 + 16 * j, vec(I8, 16))
+    return _table_lookup(builder, IQ4_LEVELS, _nibbles(builder, qs))
+
+
+def _iq4xs_scales(builder: ir.IRBuilder, p: Any) -> Any:
+    """The 8 sub-block scales ``ls - 32`` of the super-block at ``p`` (<8 x i32>): ``ls_j``
+    is nibble ``j % 2`` of ``scales_l[j / 2]`` with bits ``2j, 2j+1`` of ``scales_h`` above."""
+    h = broadcast(builder, builder.zext(load(builder, p, 2, I16), I32), 8)
+    high = builder.and_(builder.lshr(h, consts(I32, [2 * j for j in range(8)])), splat(I32, 8, 3))
+    low = pick(builder, load(builder, p, 4, vec(I8, 4)), [j // 2 for j in range(8)])
+    low = builder.lshr(builder.zext(low, vec(I32, 8)), consts(I32, [4 * (j % 2) for j in range(8)]))
+    ls = builder.or_(builder.and_(low, splat(I32, 8, 15)), builder.shl(high, splat(I32, 8, 4)))
+    return builder.sub(ls, splat(I32, 8, 32))
+
+
+@intrinsic
+def iq4xs_row(
+    typingctx: Any,
+    raw: Any,
+    off: Any,
+    nb: Any,
+    xq: Any,
+    xo: Any,
+    cx: Any,
+    co: Any,
+    yd: Any,
+    yo: Any,
+    out: Any,
+    oo: Any,
+) -> Any:
+    """ggml's generic ``vec_dot_iq4_xs_q8_K`` of one weight row (``nb`` super-blocks from byte
+    ``off`` of ``raw``) with one token's Q8_K activations: codes ``xq[xo:]`` (int8, in
+    order), ``cx[co:]`` 128 times each 32's sum of codes (int32), ``yd[yo:]`` each
+    super-block's d (float32). Writes the float32 sum to ``out[oo]``.
+
+    Per super-block: the 8 sub-blocks' levels plus 128 by the activations (``vpdpbusd``, two
+    sub-blocks a vector), minus 128 times the sub-block sums, gives the exact integer sums;
+    each sub-block adds ``((d*y.d)*(ls - 32))*isum`` to the row's sum, in order."""
+
+    def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> Any:
+        def at(i: int, off: Any, scale: int) -> Any:
+            base = data_ptr(context, builder, sig.args[i], args[i])
+            return byte_ptr(builder, base, builder.mul(off, i64(scale)))
+
+        row, x, cxp, ydp = (
+            at(0, args[1], 1),
+            at(3, args[4], 1),
+            at(5, args[6], 4),
+            at(7, args[8], 4),
+        )
+
+        def body(sb: Any, carried: list[Any]) -> list[Any]:
+            p = byte_ptr(builder, row, builder.mul(sb, i64(IQ4_XS_SIZE)))
+            for line in range(0, IQ4_XS_SIZE, 64):  # a few super-blocks ahead
+                prefetch(builder, p, PREFETCH + line)
+            xs = byte_ptr(builder, x, builder.mul(sb, i64(256)))
+            vecs = []
+            for j in range(0, 8, 2):  # two sub-blocks a vector
+                u = shuffle(
+                    builder, _iq4xs_codes(builder, p, j), _iq4xs_codes(builder, p, j + 1), range(64)
+                )
+                s = load(builder, xs, 32 * j, vec(I8, 64))
+                vecs.append(dot4(builder, splat(I32, 16, 0), u, s))
+            isum = _reduce_together(builder, vecs, 8, 8)  # (8,) i32, in sub-block order
+            isum = builder.sub(isum, load(builder, cxp, builder.mul(sb, i64(32)), vec(I32, 8)))
+            d = halves(builder, load(builder, p, 0, I16))
+            d4d8 = builder.fmul(d, load(builder, ydp, builder.mul(sb, i64(4)), F32))
+            ls = builder.sitofp(_iq4xs_scales(builder, p), vec(F32, 8))
+            term = builder.fmul(
+                builder.fmul(broadcast(builder, d4d8, 8), ls), builder.sitofp(isum, vec(F32, 8))
+            )
+            return [fsum_in_order(builder, carried[0], term, 8)]
+
+        (acc,) = counted_loop(builder, i64(0), args[2], [ir.Constant(F32, 0.0)], body)
+        o = data_ptr(context, builder, sig.args[9], args[9])
+        store(builder, acc, o, builder.mul(args[10], i64(4)))
+        return context.get_dummy_value()
+
+    return types.none(raw, off, nb, xq, xo, cx, co, yd, yo, out, oo), codegen
+
+
+@njit(**JIT)
+def q8k_plain(x):
+    """The rows of ``x`` (T, K) as Q8_K, codes in order (T*K,) int8, with d (T*K/256,)
+    float32 and 128 times the sum of each 32 codes (T*K/32,) int32."""
+    tokens, k = x.shape
+    xq = np.empty(tokens * k, np.int8)
+    dx = np.empty((tokens, k // 256), np.float32)
+    bsums = np.empty((tokens, k // 16), np.int32)
+    flat = x.reshape(-1)
+    for t in range(tokens):
+        q8k_row(flat, t, k, xq, dx, bsums)
+    sums16 = bsums.reshape(-1)
+    cx = np.empty(tokens * k // 32, np.int32)
+    for i in range(tokens * k // 32):
+        cx[i] = 128 * (sums16[2 * i] + sums16[2 * i + 1])
+    return xq, dx.reshape(-1), cx
+
+
+@njit(**INLINE)
+def gemv_iq4xs(buf, offs, rows, x, simd, threads, out, outs_at, fmt):
+    """As :func:`gemv_legacy`, for IQ4_XS weights, a row at a time."""
+    tokens, k = x.shape
+    nb = k // 256
+    rb = nb * IQ4_XS_SIZE
+    xq, dx, cx = q8k_plain(x)
+    for c in prange(threads):
+        for i in range(offs.shape[0]):
+            r0, r1 = _chunk(rows[i], threads, c)
+            for r in range(r0, r1):
+                for t in range(tokens):
+                    o = outs_at[i] + t * rows[i] + r
+                    iq4xs_row(
+                        buf, offs[i] + r * rb, nb, xq, t * k, cx, t * k // 32, dx, t * nb, out, o
+                    )
+
+
 @njit(**INLINE)
 def _kquant_dot(raw, off, nb, xl, xo, bs, bo, yd, fmt):
     """:func:`kquant_row` of a format known when compiling."""
@@ -602,11 +736,13 @@ def _kernel(fmt: int, parallel: bool) -> Any:
     """The driver for one format, the format a constant (every branch on it folded away).
     The drivers are named as globals, not held in the closure: numba caches a closure over
     ints and bools, not over a dispatcher."""
-    legacy = fmt in LEGACY
+    legacy, iq4 = fmt in LEGACY, fmt == IQ4_XS
 
     def kernel(buf, offs, rows, x, simd, threads, out, outs_at):
         if legacy:
             gemv_legacy(buf, offs, rows, x, simd, threads, out, outs_at, fmt)
+        elif iq4:
+            gemv_iq4xs(buf, offs, rows, x, simd, threads, out, outs_at, fmt)
         else:
             gemv_kquant(buf, offs, rows, x, simd, threads, out, outs_at, fmt)
 
@@ -615,4 +751,4 @@ def _kernel(fmt: int, parallel: bool) -> Any:
 
 # format id -> (parallel, serial) compiled kernels:
 # ``kernel(buf, offs, rows, x, simd, threads, out, outs_at)``
-KERNELS = {fmt: (_kernel(fmt, True), _kernel(fmt, False)) for fmt in LEGACY + KQUANTS}
+KERNELS = {fmt: (_kernel(fmt, True), _kernel(fmt, False)) for fmt in (*LEGACY, *KQUANTS, IQ4_XS)}

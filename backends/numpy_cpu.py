@@ -76,7 +76,7 @@ KERNEL_IQ = frozenset(GGMLType[n] for n in ("IQ3_S", "IQ2_XS", "IQ2_S"))
 KERNEL_TABLES = frozenset(GGMLType[n] for n in ("IQ4_NL", "IQ4_XS", "MXFP4"))
 KERNEL_TYPES = KERNEL_LEGACY | KERNEL_KQUANTS | KERNEL_IQ | KERNEL_TABLES
 # ... of which these run in the streaming kernels, several weights in one call
-STREAMING_TYPES = KERNEL_LEGACY | KERNEL_KQUANTS
+STREAMING_TYPES = KERNEL_LEGACY | KERNEL_KQUANTS | {GGMLType.IQ4_XS}
 ONE_OFFSET = np.zeros(1, np.int64)
 
 # Largest |q| of an activation block: 127, or -128 where the AVX2 quantizer saturates a NaN.
@@ -134,6 +134,7 @@ class Streams:
     """Weights that one call of a streaming kernel takes: one format, one row length, views
     of one buffer (the file's map), at byte ``offsets`` of it."""
 
+    weights: tuple[Packed, ...]
     code: int  # the GGML type
     buffer: np.ndarray  # uint8
     offsets: np.ndarray  # int64, each weight's first byte in ``buffer``
@@ -172,7 +173,8 @@ class Streams:
                 return None
             start = buffer.ctypes.data
             offsets = np.array([w.tensor.data.ctypes.data - start for w in ws], np.int64)
-        return cls(int(code), buffer, offsets, rows, starts, spans, int(rows.sum()) * k)
+        macs = int(rows.sum()) * k
+        return cls(tuple(ws), int(code), buffer, offsets, rows, starts, spans, macs)
 
 
 @dataclass(frozen=True)
@@ -496,15 +498,7 @@ class NumpyBackend(ArrayBackend):
         """The same numbers as :meth:`_matmul_q8`'s integer path, from compiled kernels."""
         streams = self._streams((w,))
         if streams is None:  # a format of cpu_kernels' own loops
-            ck, threads = self._kernels_for_this_thread()
-            x = np.ascontiguousarray(x, dtype=F32)
-            serial = threads == 1 or x.size * w.tensor.rows < SERIAL_MACS
-            kernel = ck.kernel(int(w.tensor.ggml_type), serial=serial)
-            out: np.ndarray = kernel(
-                w.tensor.data, w.tensor.rows, x, self.activation_rounding == "simd", threads
-            )
-            self._limit_blas_once()
-            return out
+            return self._loops(np.ascontiguousarray(x, dtype=F32), (w,))[0]
         return self._stream(x, streams)[0]
 
     def matmuls(self, x: Any, ws: Sequence[Packed | Dense]) -> tuple[Any, ...]:
@@ -538,6 +532,8 @@ class NumpyBackend(ArrayBackend):
         tokens = x.shape[0]
         serial = threads == 1 or tokens * s.macs_per_token < SERIAL_MACS
         stream = ck.streaming(s.code, tokens, serial=serial)
+        if stream is None:  # this many tokens go to cpu_kernels' own loops
+            return self._loops(x, s.weights)
         flat = np.empty(tokens * int(s.starts[-1] + s.rows[-1]), F32)
         simd = self.activation_rounding == "simd"
         stream(s.buffer, s.offsets, s.rows, x, simd, threads, flat, tokens * s.starts)
@@ -545,6 +541,18 @@ class NumpyBackend(ArrayBackend):
         return tuple(
             flat[tokens * a : tokens * (a + r)].reshape(tokens, r) for a, r in s.spans
         )  # (tokens, rows_i) each
+
+    def _loops(self, x: np.ndarray, ws: Sequence[Packed]) -> tuple[np.ndarray, ...]:
+        """cpu_kernels' own loops (the IQ and table formats), a call per weight."""
+        ck, threads = self._kernels_for_this_thread()
+        simd = self.activation_rounding == "simd"
+        outs = []
+        for w in ws:
+            serial = threads == 1 or x.size * w.tensor.rows < SERIAL_MACS
+            kernel = ck.kernel(int(w.tensor.ggml_type), serial=serial)
+            outs.append(kernel(w.tensor.data, w.tensor.rows, x, simd, threads))
+        self._limit_blas_once()
+        return tuple(outs)
 
     def _limit_blas_once(self) -> None:
         if not self._blas_limited:  # after the first call, which loads the last BLAS (scipy's)

@@ -136,7 +136,7 @@ def one_file(qtypes: list[str], rows: list[int], k: int) -> list[QuantTensor]:
     ]
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q5_1", "Q8_0", "Q3_K", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q5_1", "Q8_0", "Q3_K", "Q4_K", "Q6_K", "IQ4_XS"])
 @pytest.mark.parametrize("tokens", [1, 5, 20])
 def test_matmuls_of_one_input_equal_one_matmul_each(qtype, tokens, parallelism):
     """Q, K and V (rows 24, 8, 8) in one streaming call: each the same bits as its own
