@@ -67,6 +67,7 @@ from qllama.backends.cpu_ir import (
 )
 from qllama.backends.cpu_quantize import INLINE, JIT, named_kernel, q8_row, q8k_row
 from qllama.backends.cpu_simd import (
+    IQ4_NL,
     IQ4_XS,
     KQUANTS,
     LEGACY,
@@ -90,11 +91,15 @@ from qllama.backends.cpu_simd import (
 )
 from qllama.quants import iq4_search
 
-TYPE_SIZE = {Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34}
+TYPE_SIZE = {Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34, IQ4_NL: 18}
 TYPE_SIZE |= {Q2_K: 84, Q3_K: 110, Q4_K: 144, Q5_K: 176, Q6_K: 210}
 # what the stored (unsigned) code is above integer_form's: Q4_0, Q5_0, Q8_0 (as w ^ 0x80);
 # Q3_K and Q6_K (their codes are signed in integer_form); the others have none
-CENTRE = {Q4_0: 8, Q5_0: 16, Q8_0: 128, Q3_K: 4, Q6_K: 32}
+CENTRE = {Q4_0: 8, Q5_0: 16, Q8_0: 128, Q3_K: 4, Q6_K: 32, IQ4_NL: 128}
+# the 32-block formats of the decoding loop: the legacy ones, and IQ4_NL (Q4_0's layout, its
+# nibbles indexing a table of levels, stored plus 128)
+BLOCKS32 = (*LEGACY, IQ4_NL)
+IQ4_LEVELS = [(int(v) + 128) & 0xFF for v in iq4_search.KVALUES]  # unsigned: levels + 128
 WITH_M = (Q4_1, Q5_1)  # + m * y.s
 WITH_MINS = (Q2_K, Q4_K, Q5_K)  # - (dmin * y.d) * msum
 SUB32 = (Q4_K, Q5_K)  # sub-blocks of 32 elements (the other K-quants: 16)
@@ -124,12 +129,17 @@ LANE_ORDER = np.array(
 
 
 def _stored_codes(builder: ir.IRBuilder, fmt: int, p: Any) -> Any:
-    """The 32 codes of the block at ``p`` as unsigned bytes (Q8_0: ``w ^ 0x80``)."""
+    """The 32 codes of the block at ``p`` as unsigned bytes (Q8_0: ``w ^ 0x80``; IQ4_NL: its
+    levels plus 128)."""
+    if fmt == IQ4_NL:
+        return _table_lookup(
+            builder, IQ4_LEVELS, _nibbles(builder, load(builder, p, 2, vec(I8, 16)))
+        )
     q = _legacy_codes(builder, fmt, p, False)
     return builder.xor(q, splat(I8, 32, 0x80)) if fmt == Q8_0 else q
 
 
-QS_AT = {Q4_0: 2, Q4_1: 4, Q5_0: 6, Q5_1: 8}  # where a nibble block's 16 qs bytes start
+QS_AT = {Q4_0: 2, Q4_1: 4, Q5_0: 6, Q5_1: 8, IQ4_NL: 2}  # where a nibble block's 16 qs bytes start
 QH_AT = {Q5_0: 2, Q5_1: 4}  # its 4 bytes of fifth bits
 
 
@@ -149,6 +159,8 @@ def nibble_codes4(builder: ir.IRBuilder, fmt: int, rows: list[Any], blk: Any) ->
     )
     lo = builder.and_(v, splat(I8, 64, 15))
     hi = builder.and_(builder.lshr(v, splat(I8, 64, 4)), splat(I8, 64, 15))
+    if fmt == IQ4_NL:  # the levels the nibbles index, plus 128
+        lo, hi = (_levels64(builder, codes) for codes in (lo, hi))
     if fmt in QH_AT:
         words = [
             load(builder, rows[r], builder.add(at, i64(QH_AT[fmt])), vec(I8, 4)) for r in range(4)
@@ -171,6 +183,14 @@ def nibble_codes4(builder: ir.IRBuilder, fmt: int, rows: list[Any], blk: Any) ->
             else:
                 lo = builder.or_(lo, fifth)
     return lo, hi
+
+
+def _levels64(builder: ir.IRBuilder, idx: Any) -> Any:
+    """IQ4_NL's levels plus 128 for 64 indices below 16, 32 at a time."""
+    parts = [
+        _table_lookup(builder, IQ4_LEVELS, pick(builder, idx, range(h, h + 32))) for h in (0, 32)
+    ]
+    return shuffle(builder, parts[0], parts[1], range(64))
 
 
 def _nibble_sums(builder: ir.IRBuilder, fmt: int, rows: list[Any], x: Any, blk: Any) -> Any:
@@ -298,7 +318,7 @@ def legacy_rows(
     Four blocks a step: the rows' 16 integer sums reduced together, their terms computed
     as one vector and added to the 4 rows' sums as a 4-lane vector, block after block; then
     2 and 1 blocks for the rest."""
-    f = _literal(fmt, LEGACY, "legacy_rows: fmt")
+    f = _literal(fmt, BLOCKS32, "legacy_rows: fmt")
     n = _literal(n_rows, (1, 4), "legacy_rows: n_rows")
     if f is None or n is None:
         return None
@@ -473,7 +493,6 @@ def kquant_row(
 # --- IQ4_XS -----------------------------------------------------------------------------------
 
 IQ4_XS_SIZE = 136  # d (fp16), scales_h (u16), scales_l (4 bytes), qs (128 bytes)
-IQ4_LEVELS = [(int(v) + 128) & 0xFF for v in iq4_search.KVALUES]  # unsigned: levels + 128
 
 
 def _iq4xs_codes(builder: ir.IRBuilder, p: Any, j: int) -> Any:
@@ -667,7 +686,7 @@ def gemv_legacy(buf, offs, rows, x, simd, threads, out, outs_at, fmt):
     nb = k // 32
     rb = nb * SIZES[fmt]
     with_m = fmt == Q4_1 or fmt == Q5_1
-    centre = 8 if fmt == Q4_0 else 16 if fmt == Q5_0 else 128 if fmt == Q8_0 else 0
+    centre = 8 if fmt == Q4_0 else 16 if fmt == Q5_0 else 128 if fmt == Q8_0 or fmt == IQ4_NL else 0
     qx, dx, sx, cx = q8_activations(x, simd, with_m, centre)
     for c in prange(threads):
         for i in range(offs.shape[0]):
@@ -736,7 +755,7 @@ def _kernel(fmt: int, parallel: bool) -> Any:
     """The driver for one format, the format a constant (every branch on it folded away).
     The drivers are named as globals, not held in the closure: numba caches a closure over
     ints and bools, not over a dispatcher."""
-    legacy, iq4 = fmt in LEGACY, fmt == IQ4_XS
+    legacy, iq4 = fmt in BLOCKS32, fmt == IQ4_XS
 
     def kernel(buf, offs, rows, x, simd, threads, out, outs_at):
         if legacy:
@@ -751,4 +770,4 @@ def _kernel(fmt: int, parallel: bool) -> Any:
 
 # format id -> (parallel, serial) compiled kernels:
 # ``kernel(buf, offs, rows, x, simd, threads, out, outs_at)``
-KERNELS = {fmt: (_kernel(fmt, True), _kernel(fmt, False)) for fmt in (*LEGACY, *KQUANTS, IQ4_XS)}
+KERNELS = {fmt: (_kernel(fmt, True), _kernel(fmt, False)) for fmt in (*BLOCKS32, *KQUANTS, IQ4_XS)}

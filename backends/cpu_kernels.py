@@ -9,8 +9,8 @@ calls. This module says which kernel computes a format:
   (:func:`streaming`), :mod:`qllama.backends.cpu_gemv` for few tokens and
   :mod:`qllama.backends.cpu_gemm` for many, which keep a whole row's accumulators in
   registers and take several weights that share an input in one call;
-* IQ4_XS: the streaming kernel of :mod:`qllama.backends.cpu_gemv` for few tokens, the loops
-  below for many;
+* IQ4_NL and IQ4_XS: the streaming kernels of :mod:`qllama.backends.cpu_gemv` for few
+  tokens, the loops below for many;
 * the IQ and table formats: the kernels below, ``kernel(fmt, serial=...)(raw, rows, x, simd,
   threads)``.
 
@@ -627,8 +627,9 @@ KERNELS.update({fmt: (_iq_kernel(fmt, True), _iq_kernel(fmt, False)) for fmt in 
 # Fewer tokens than this: each weight row streamed once per token (cpu_gemv); as many or more:
 # tiles of 16 tokens per decoded block (cpu_gemm). Measured crossovers on 2048 x 8192
 # weights, 2 threads: 4 tokens for the 32-blocks, 6 to 12 for the K-quants.
-# IQ4_XS has no token tiles of its own yet: as many tokens or more go to its loops below.
-GEMM_TOKENS = {**{fmt: 4 for fmt in LEGACY}, **{fmt: 8 for fmt in KQUANTS}, IQ4_XS: 8}
+# IQ4_NL and IQ4_XS have no token tiles of their own yet: as many tokens or more go to their
+# loops below.
+GEMM_TOKENS = {**{fmt: 4 for fmt in LEGACY}, **{fmt: 8 for fmt in KQUANTS}, IQ4_XS: 8, IQ4_NL: 4}
 
 
 def streaming(fmt: int, tokens: int, *, serial: bool) -> Any | None:

@@ -76,7 +76,7 @@ KERNEL_IQ = frozenset(GGMLType[n] for n in ("IQ3_S", "IQ2_XS", "IQ2_S"))
 KERNEL_TABLES = frozenset(GGMLType[n] for n in ("IQ4_NL", "IQ4_XS", "MXFP4"))
 KERNEL_TYPES = KERNEL_LEGACY | KERNEL_KQUANTS | KERNEL_IQ | KERNEL_TABLES
 # ... of which these run in the streaming kernels, several weights in one call
-STREAMING_TYPES = KERNEL_LEGACY | KERNEL_KQUANTS | {GGMLType.IQ4_XS}
+STREAMING_TYPES = KERNEL_LEGACY | KERNEL_KQUANTS | {GGMLType.IQ4_NL, GGMLType.IQ4_XS}
 ONE_OFFSET = np.zeros(1, np.int64)
 
 # Largest |q| of an activation block: 127, or -128 where the AVX2 quantizer saturates a NaN.
