@@ -47,7 +47,7 @@ import dataclasses
 import importlib.util
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import numpy as np
@@ -115,6 +115,12 @@ class Packed:
 
     tensor: QuantTensor
     fmt: type[QuantType]
+    # the streaming calls this weight leads: the ids of the weights after it -> their Streams
+    # (None: no one call takes them). Held here, not by the backend, so that they go with the
+    # model's weights, and with them the map of the file they view.
+    streams: dict[tuple[int, ...], Streams | None] = field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     @property
     def row_bytes(self) -> int:
@@ -134,7 +140,6 @@ class Streams:
     """Weights that one call of a streaming kernel takes: one format, one row length, views
     of one buffer (the file's map), at byte ``offsets`` of it."""
 
-    weights: tuple[Packed, ...]
     code: int  # the GGML type
     buffer: np.ndarray  # uint8
     offsets: np.ndarray  # int64, each weight's first byte in ``buffer``
@@ -174,7 +179,7 @@ class Streams:
             start = buffer.ctypes.data
             offsets = np.array([w.tensor.data.ctypes.data - start for w in ws], np.int64)
         macs = int(rows.sum()) * k
-        return cls(tuple(ws), int(code), buffer, offsets, rows, starts, spans, macs)
+        return cls(int(code), buffer, offsets, rows, starts, spans, macs)
 
 
 @dataclass(frozen=True)
@@ -398,7 +403,6 @@ class NumpyBackend(ArrayBackend):
         self._blas_limited = False
         self._kernel_state: tuple[int, Any, int] | None = None  # thread id, module, threads
         # ids of weights -> (the weights, kept so that the ids stay theirs; their Streams)
-        self._known_streams: dict[tuple[int, ...], tuple[tuple[Any, ...], Streams | None]] = {}
 
     @property
     def weight_types(self) -> frozenset[GGMLType]:
@@ -499,7 +503,7 @@ class NumpyBackend(ArrayBackend):
         streams = self._streams((w,))
         if streams is None:  # a format of cpu_kernels' own loops
             return self._loops(np.ascontiguousarray(x, dtype=F32), (w,))[0]
-        return self._stream(x, streams)[0]
+        return self._stream(x, (w,), streams)[0]
 
     def matmuls(self, x: Any, ws: Sequence[Packed | Dense]) -> tuple[Any, ...]:
         """``x @ W.T`` for each of ``ws``, the same numbers as :meth:`matmul` on each: one
@@ -514,26 +518,28 @@ class NumpyBackend(ArrayBackend):
                 f"matmul with '{ws[0].tensor.name}' {ws[0].tensor.shape} needs activations "
                 f"(T, {ws[0].tensor.row_length}), got {x.shape}"
             )
-        return self._stream(x, streams)
+        return self._stream(x, ws, streams)
 
     def _streams(self, ws: Sequence[Any]) -> Streams | None:
-        """What one streaming call needs for ``ws`` (remembered per tuple of weights), or
+        """What one streaming call needs for ``ws`` (remembered by the first of them), or
         None where one call cannot take them all."""
-        key = tuple(map(id, ws))
-        known = self._known_streams.get(key)
-        if known is None:
-            known = self._known_streams[key] = (tuple(ws), Streams.of(ws))
-        return known[1]
+        if not isinstance(ws[0], Packed):
+            return None
+        known, key = ws[0].streams, tuple(map(id, ws[1:]))
+        if key not in known:
+            known[key] = Streams.of(ws)
+        return known[key]
 
-    def _stream(self, x: np.ndarray, s: Streams) -> tuple[np.ndarray, ...]:
-        """The streaming kernel on all the weights of ``s``: one (T, rows_i) array each."""
+    def _stream(self, x: np.ndarray, ws: Sequence[Packed], s: Streams) -> tuple[np.ndarray, ...]:
+        """The streaming kernel on the weights ``ws`` (their Streams ``s``): one (T, rows_i)
+        array each."""
         ck, threads = self._kernels_for_this_thread()
         x = np.ascontiguousarray(x, dtype=F32)
         tokens = x.shape[0]
         serial = threads == 1 or tokens * s.macs_per_token < SERIAL_MACS
         stream = ck.streaming(s.code, tokens, serial=serial)
         if stream is None:  # this many tokens go to cpu_kernels' own loops
-            return self._loops(x, s.weights)
+            return self._loops(x, ws)
         flat = np.empty(tokens * int(s.starts[-1] + s.rows[-1]), F32)
         simd = self.activation_rounding == "simd"
         stream(s.buffer, s.offsets, s.rows, x, simd, threads, flat, tokens * s.starts)
