@@ -19,6 +19,7 @@ Both need a namespace with ``float16`` (numpy, torch, jax).
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from array_api_compat import is_numpy_namespace, is_torch_namespace
@@ -35,8 +36,10 @@ def capacity_for(n: int) -> int:
 
 
 class KVCache:
-    """Per-layer keys ``(capacity, n_head_kv, head_dim)`` and values ``(capacity, n_head_kv,
-    head_dim_v)`` (``head_dim_v`` defaults to ``head_dim``)."""
+    """Per-layer keys ``(n_head_kv, capacity, head_dim)`` and values ``(n_head_kv, capacity,
+    head_dim_v)`` (``head_dim_v`` defaults to ``head_dim``): each head's rows contiguous, so
+    that the attention products read them as plain matrices (a layout with the positions
+    first made numpy's and torch's products over a long cache 3x slower, the same bits)."""
 
     def __init__(
         self,
@@ -61,8 +64,11 @@ class KVCache:
         self._half_operands = precision == "f16"  # Q and the probabilities too
         # a decode step's write then costs its own rows, not a copy of the whole capacity
         self._in_place = is_numpy_namespace(xp) or is_torch_namespace(xp)
-        self.row_shape = (n_head_kv, head_dim)
-        self.v_row_shape = (n_head_kv, head_dim if head_dim_v is None else head_dim_v)
+        # per layer: whether its arrays are this cache's alone (a fork shares them until one
+        # of the two writes, and the writer copies first)
+        self._own = [True] * n_layer
+        self.n_head_kv = n_head_kv
+        self.head_dims = (head_dim, head_dim if head_dim_v is None else head_dim_v)
         self.k: list[Any] = [None] * n_layer
         self.v: list[Any] = [None] * n_layer
         self.capacity = 0
@@ -76,6 +82,15 @@ class KVCache:
             self.capacity = 0
         self.length = length
 
+    def fork(self) -> KVCache:
+        """A cache that starts as this one and then goes its own way (beam search, repeated
+        rows): the arrays are shared until either cache writes a layer, which copies that
+        layer's arrays first."""
+        other = copy.copy(self)
+        other.k, other.v = list(self.k), list(self.v)
+        self._own, other._own = [False] * len(self.k), [False] * len(self.k)
+        return other
+
     def reserve(self, n: int) -> None:
         """Make room for ``n`` positions."""
         need = capacity_for(n)
@@ -83,13 +98,14 @@ class KVCache:
             return
         xp, rows = self.xp, need - self.capacity
 
-        def grown(old: Any, shape: tuple[int, ...]) -> Any:
+        def grown(old: Any, hd: int) -> Any:
             # an array of its own per layer: rows are written into it in place
-            pad = xp.zeros((rows, *shape), dtype=xp.float32, device=self.device)
-            return pad if old is None else xp.concat([old, pad], axis=0)
+            pad = xp.zeros((self.n_head_kv, rows, hd), dtype=xp.float32, device=self.device)
+            return pad if old is None else xp.concat([old, pad], axis=1)
 
-        self.k = [grown(k, self.row_shape) for k in self.k]
-        self.v = [grown(v, self.v_row_shape) for v in self.v]
+        self.k = [grown(k, self.head_dims[0]) for k in self.k]
+        self.v = [grown(v, self.head_dims[1]) for v in self.v]
+        self._own = [True] * len(self.k)
         self.capacity = need
         self.slots = xp.arange(need, dtype=xp.int32, device=self.device)  # (capacity,)
 
@@ -106,18 +122,21 @@ class KVCache:
 
     def update(self, layer: int, pos: int, k: Any, v: Any) -> tuple[Any, Any]:
         """Write this step's ``(T, n_head_kv, head_dim)`` keys and ``(T, n_head_kv,
-        head_dim_v)`` values at ``pos``; return the layer's whole cache (capacity rows)."""
+        head_dim_v)`` values at ``pos``; return the layer's whole cache, ``(n_head_kv,
+        capacity, head_dim)`` and ``(n_head_kv, capacity, head_dim_v)``."""
         xp, T = self.xp, k.shape[0]
+        k = xp.permute_dims(self._stored(k), (1, 0, 2))  # (n_head_kv, T, head_dim)
+        v = xp.permute_dims(self._stored(v), (1, 0, 2))  # (n_head_kv, T, head_dim_v)
         if self._in_place:
-            self.k[layer][pos : pos + T] = self._stored(k)
-            self.v[layer][pos : pos + T] = self._stored(v)
+            if not self._own[layer]:  # shared with a fork: copy before writing
+                self.k[layer] = xp.asarray(self.k[layer], copy=True)
+                self.v[layer] = xp.asarray(self.v[layer], copy=True)
+                self._own[layer] = True
+            self.k[layer][:, pos : pos + T, :] = k
+            self.v[layer][:, pos : pos + T, :] = v
             return self.k[layer], self.v[layer]
-        fresh = (self.slots >= pos) & (self.slots < pos + T)  # (capacity,)
+        fresh = ((self.slots >= pos) & (self.slots < pos + T))[None, :, None]  # (1, capacity, 1)
         src = xp.clip(self.slots - pos, 0, T - 1)  # row of k feeding each slot
-        self.k[layer] = xp.where(
-            fresh[:, None, None], xp.take(self._stored(k), src, axis=0), self.k[layer]
-        )
-        self.v[layer] = xp.where(
-            fresh[:, None, None], xp.take(self._stored(v), src, axis=0), self.v[layer]
-        )
+        self.k[layer] = xp.where(fresh, xp.take(k, src, axis=1), self.k[layer])
+        self.v[layer] = xp.where(fresh, xp.take(v, src, axis=1), self.v[layer])
         return self.k[layer], self.v[layer]

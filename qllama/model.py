@@ -542,17 +542,17 @@ class Llama:
         xp, c = self.xp, self.config
         T, hd, hd_v, n_kv, n_rep = q.shape[0], c.head_dim, c.head_dim_v, c.n_head_kv, c.n_rep
         cache = segment.cache
-        k, v = cache.update(i, segment.pos, k, v)  # (S, n_kv, hd), S = cache capacity
+        k, v = cache.update(i, segment.pos, k, v)  # (n_kv, S, hd), S = cache capacity
         # query head h reads kv head h // n_rep: group the query heads by their kv head
         q = xp.permute_dims(
             xp.reshape(cache.operand(q), (T, n_kv, n_rep, hd)), (1, 2, 0, 3)
         )  # (n_kv, n_rep, T, hd)
-        kt = xp.permute_dims(k, (1, 2, 0))[:, None, :, :]  # (n_kv, 1, hd, S)
+        kt = xp.permute_dims(k, (0, 2, 1))[:, None, :, :]  # (n_kv, 1, hd, S)
         scores = xp.matmul(q, kt) * c.query_scale  # (n_kv, n_rep, T, S)
         if c.attn_softcap:
             scores = softcap(scores, c.attn_softcap, xp=xp)
         p = cache.operand(softmax(scores + segment.masks[window], xp=xp))
-        out = xp.matmul(p, xp.permute_dims(v, (1, 0, 2))[:, None, :, :])  # (n_kv, n_rep, T, hd_v)
+        out = xp.matmul(p, v[:, None, :, :])  # (n_kv, n_rep, T, hd_v)
         return xp.reshape(
             xp.permute_dims(out, (2, 0, 1, 3)), (T, c.n_head * hd_v)
         )  # (T, n_head*hd_v)

@@ -39,3 +39,19 @@ def test_writes_agree_across_namespaces(xp_name):
     # layer 1 was never written: its rows are its own, still zero
     assert not np.any(to_numpy(got.k[1])) and not np.any(to_numpy(got.v[1]))
     assert np.any(to_numpy(got.k[0]))
+
+
+@pytest.mark.parametrize("xp_name", NAMESPACES)
+def test_a_fork_shares_until_one_writes(xp_name):
+    """Beam search forks caches: a write to either leaves the other as it was."""
+    pytest.importorskip(xp_name)
+    xp = namespace(xp_name)
+    cache = filled(xp_name, [(0, 10)])
+    before = to_numpy(cache.k[0]).copy()
+    fork = cache.fork()
+    new = xp.asarray(np.ones((1, 2, 4), np.float32))
+    fork.update(0, 10, new, xp.asarray(np.ones((1, 2, 3), np.float32)))
+    np.testing.assert_array_equal(to_numpy(cache.k[0]), before)  # the original is untouched
+    cache.update(0, 10, 2 * new, xp.asarray(np.zeros((1, 2, 3), np.float32)))
+    assert float(to_numpy(fork.k[0])[0, 10, 0]) == 1.0  # and the fork keeps its own write
+    assert float(to_numpy(cache.k[0])[0, 10, 0]) == 2.0

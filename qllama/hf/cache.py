@@ -11,10 +11,9 @@ qllama's caches, one per batch row, without touching a key or a value:
   and the real tokens it ran; the real tokens sit at qllama positions ``0 .. n-1``;
 - ``crop`` shortens the mask and the token list; the next forward call starts at the new
   length and overwrites what followed (qllama keeps positions ``< pos``);
-- reordering and repeating rows share a row's arrays instead of copying them:
-  :class:`~qllama.kv_cache.KVCache` never writes an array in place (new rows are written with
-  ``where``, growth with ``concat``), so two rows may hold the same arrays until one of them
-  writes, which rebinds its own list entry only.
+- reordering and repeating rows share a row's arrays instead of copying them
+  (:meth:`~qllama.kv_cache.KVCache.fork`): two rows hold the same arrays until one of them
+  writes a layer, which copies that layer's arrays first.
 
 Its length (``get_seq_length``) is the padded length transformers expects; every row has the
 same one.
@@ -22,7 +21,6 @@ same one.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,9 +43,7 @@ class Row:
     def fork(self) -> Row:
         """A row that starts as this one and then goes its own way (arrays shared, see the
         module docstring)."""
-        kv = copy.copy(self.kv)
-        kv.k, kv.v = list(self.kv.k), list(self.kv.v)
-        return Row(kv, list(self.mask), list(self.tokens))
+        return Row(self.kv.fork(), list(self.mask), list(self.tokens))
 
     def crop(self, length: int) -> None:
         """Keep the first ``length`` positions of the padded sequence."""
