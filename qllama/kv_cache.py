@@ -38,8 +38,9 @@ def capacity_for(n: int) -> int:
 class KVCache:
     """Per-layer keys ``(n_head_kv, capacity, head_dim)`` and values ``(n_head_kv, capacity,
     head_dim_v)`` (``head_dim_v`` defaults to ``head_dim``): each head's rows contiguous, so
-    that the attention products read them as plain matrices (a layout with the positions
-    first made numpy's and torch's products over a long cache 3x slower, the same bits)."""
+    that the attention products read them as plain matrices. Either layout gives the same bits
+    on numpy and torch; alone, the scores product of a 1B shape over 4352 positions ran 3x
+    faster this way, but SmolLM2's decode after 2048 positions measured the same."""
 
     def __init__(
         self,
