@@ -52,19 +52,8 @@ from qllama.backends.cpu_simd import (
     KQUANTS,
     LEGACY,
     MXFP4,
-    Q2_K,
-    Q3_K,
-    Q4_0,
-    Q4_1,
-    Q4_K,
-    Q5_0,
-    Q5_1,
-    Q5_K,
-    Q6_K,
-    Q8_0,
     TABLE_FORMATS,
     bits_float,
-    decode_block,
     decode_levels,
     dots,
     half_to_float,
@@ -87,14 +76,7 @@ KSIGNS = iq_grids.parity_signs(np.arange(128))  # 7 sign bits -> 8, the 8th thei
 
 @njit(**INLINE)
 def _type_size(fmt: int) -> int:
-    """Bytes per block of a format id."""
-    sizes = (Q4_0, 18, Q4_1, 20, Q5_0, 22, Q5_1, 24, Q8_0, 34)
-    sizes_k = (Q2_K, 84, Q3_K, 110, Q4_K, 144, Q5_K, 176, Q6_K, 210)
-    for i in range(0, 10, 2):
-        if sizes[i] == fmt:
-            return sizes[i + 1]
-        if sizes_k[i] == fmt:
-            return sizes_k[i + 1]
+    """Bytes per block of a table format's id."""
     sizes_t = (IQ4_NL, 18, MXFP4, 17, IQ4_XS, 136)
     for i in range(0, 6, 2):
         if sizes_t[i] == fmt:
@@ -102,37 +84,22 @@ def _type_size(fmt: int) -> int:
     return 0
 
 
-# --- legacy 32-blocks: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 --------------------------------------------
+# --- the table formats, in 32-blocks: IQ4_NL, MXFP4, IQ4_XS -----------------------------------
+
+# the stored codes (levels plus 128) are 128 above the signed ones
+CENTRE = 128
 
 
 @njit(**INLINE)
 def _decode_stored(raw, off, b, q, qo, fmt):
-    """32-block ``b``'s codes, unsigned, into ``q[qo:qo+32]``: as stored (Q4/Q5), or the
-    levels plus 128 (table formats; ``off`` is IQ4_XS's super-block); Q8_0 has nothing to
-    do."""
-    if fmt == Q4_0:
-        decode_block(raw, off, q, qo, Q4_0, 1)
-    elif fmt == Q4_1:
-        decode_block(raw, off, q, qo, Q4_1, 1)
-    elif fmt == Q5_0:
-        decode_block(raw, off, q, qo, Q5_0, 1)
-    elif fmt == Q5_1:
-        decode_block(raw, off, q, qo, Q5_1, 1)
-    elif fmt == IQ4_NL:
+    """32-block ``b``'s levels plus 128 (unsigned) into ``q[qo:qo+32]`` (``off`` is IQ4_XS's
+    super-block)."""
+    if fmt == IQ4_NL:
         decode_levels(raw, off + 2, q, qo, IQ4_NL)
     elif fmt == MXFP4:
         decode_levels(raw, off + 1, q, qo, MXFP4)
     elif fmt == IQ4_XS:
         decode_levels(raw, off + 8 + 16 * (b % 8), q, qo, IQ4_XS)
-
-
-@njit(**INLINE)
-def _centre(fmt: int) -> int:
-    """What the signed code is below the stored one: 8 (Q4_0), 16 (Q5_0), 128 (the table
-    formats), else 0."""
-    if fmt == IQ4_NL or fmt == MXFP4 or fmt == IQ4_XS:
-        return 128
-    return 8 if fmt == Q4_0 else 16 if fmt == Q5_0 else 0
 
 
 @njit(**INLINE)
@@ -153,40 +120,37 @@ def _e8m0_half(e):
 
 @njit(**INLINE)
 def _block_header(raw, off, b, fmt):
-    """The float terms of 32-block ``b`` at ``off``: its scale ``d``, min ``m`` (Q4_1/Q5_1,
-    else 0) and IQ4_XS's factor ``ls - 32`` (else 1)."""
+    """The float terms of 32-block ``b`` at ``off``: its scale ``d`` and IQ4_XS's factor
+    ``ls - 32`` (else 1)."""
     if fmt == MXFP4:
         d = _e8m0_half(raw[off])
     else:
         d = half_to_float(raw, off)
-    m = half_to_float(raw, off + 2) if fmt == Q4_1 or fmt == Q5_1 else F32(0)
     post = F32(1)
     if fmt == IQ4_XS:
         j = b % 8
         high = ((np.int32(raw[off + 2]) | (np.int32(raw[off + 3]) << 8)) >> (2 * j)) & 3
         low = (np.int32(raw[off + 4 + j // 2]) >> (4 * (j % 2))) & 15
         post = F32((low | (high << 4)) - 32)
-    return d, m, post
+    return d, post
 
 
 @njit(**INLINE)
-def _matmul_legacy(raw, fmt, rows, x, simd, threads):
-    """``x @ W.T`` in ggml's CPU arithmetic for a weight of 32-blocks ``fmt`` (file bytes
-    ``raw``, ``rows`` rows): quantize ``x`` (T, K) to Q8_0 / Q8_1, then per row the generic
-    vec_dot, block terms added in block order. Returns (T, rows) float32.
+def _matmul_table(raw, fmt, rows, x, simd, threads):
+    """``x @ W.T`` in ggml's CPU arithmetic for a weight of a table format ``fmt`` (file
+    bytes ``raw``, ``rows`` rows): quantize ``x`` (T, K) to Q8_0 (IQ4_XS: Q8_K), then per
+    row the generic vec_dot, block terms added in block order. Returns (T, rows) float32.
 
-    The integer sums are taken unsigned by signed (what ``vpdpbusd`` multiplies): the stored
-    codes by the activations, minus 8 or 16 times the activations' block sum for Q4_0 /
-    Q5_0; for Q8_0, the activations offset by 128 (``x ^ 0x80``) by the weights, minus 128
-    times the weights' block sum. The same integers as ``integer_form``'s.
+    The integer sums are taken unsigned by signed (what ``vpdpbusd`` multiplies): the levels
+    plus 128 by the activations, minus 128 times the activations' block sum. The same
+    integers as ``integer_form``'s.
     """
     tokens, k = x.shape
     nb = k // 32
     ts = _type_size(fmt)
-    has_m = fmt == Q4_1 or fmt == Q5_1
     qx = np.empty(tokens * k, np.int8)
     dx = np.empty((tokens, nb), np.float32)
-    sx = np.zeros((tokens, nb), np.float32)
+    sx = np.zeros((tokens, nb), np.float32)  # Q8_1's s, which q8_row writes only with has_m
     flat = x.reshape(-1)
     xsum = np.zeros((nb, tokens), np.int32)
     if fmt == IQ4_XS:
@@ -201,13 +165,8 @@ def _matmul_legacy(raw, fmt, rows, x, simd, threads):
                 xsum[b, t] = bsums[t, 2 * b] + bsums[t, 2 * b + 1]
     else:
         for t in prange(tokens):
-            q8_row(flat, t, k, simd, has_m, qx, dx, sx)
-    # the other operand of the unsigned-by-signed products, and the corrections' sums
-    xu = np.empty(tokens * k if fmt == Q8_0 else 0, np.uint8)
-    if fmt == Q8_0:
-        for i in range(tokens * k):
-            xu[i] = np.uint8(qx[i]) ^ 0x80
-    elif _centre(fmt) and fmt != IQ4_XS:
+            q8_row(flat, t, k, simd, False, qx, dx, sx)
+        # the activations' block sums, for the correction
         for t in range(tokens):
             for b in range(nb):
                 acc = 0
@@ -219,25 +178,23 @@ def _matmul_legacy(raw, fmt, rows, x, simd, threads):
     if tokens < TOKEN_TILE:
         for c in prange(chunks):
             r0, r1 = c * rows // chunks, (c + 1) * rows // chunks
-            _legacy_rows(raw, fmt, ts, r0, r1, qx, xu, xsum, dx, sx, out)
+            _table_rows(raw, fmt, ts, r0, r1, qx, xsum, dx, out)
     else:
         # the activations of each block four by four per token, 16 tokens a vector
         # (``token_dots``); the last tile padded with zeros
         tpad = (tokens + 15) // 16 * 16
         xv = np.zeros(nb * 8 * tpad * 4, np.uint8)
-        flip = 0x80 if fmt == Q8_0 else 0
         for t in prange(tokens):
             for b in range(nb):
                 for g in range(8):
                     o = ((b * 8 + g) * tpad + t) * 4
                     for c in range(4):
-                        xv[o + c] = np.uint8(qx[t * k + b * 32 + 4 * g + c]) ^ flip
+                        xv[o + c] = np.uint8(qx[t * k + b * 32 + 4 * g + c])
         dxt = np.ascontiguousarray(dx.T)
-        sxt = np.ascontiguousarray(sx.T)
         parts = _parts(rows, threads)
         for c in prange(parts):
             r0, r1 = _part(rows, parts, c)
-            _legacy_tiles(raw, fmt, ts, r0, r1, xv, tpad, xsum, dxt, sxt, out)
+            _table_tiles(raw, fmt, ts, r0, r1, xv, tpad, xsum, dxt, out)
     return out
 
 
@@ -263,56 +220,35 @@ def _block_sums(u, uo, us, s, so, ss, nb, isum):
 
 
 @njit(**JIT)
-def _legacy_rows(raw, fmt, ts, r0, r1, qx, xu, xsum, dx, sx, out):
+def _table_rows(raw, fmt, ts, r0, r1, qx, xsum, dx, out):
     """Few tokens: per group of 4 rows (consecutive blocks in the file), decode the blocks,
     their integer sums with each token's blocks, the float32 terms (elementwise,
     vectorized), then each row's sum of its terms in block order (4 rows interleaved, so
     that the dependent additions of one row overlap another's)."""
     tokens, nb = dx.shape
     k = nb * 32
-    centre = _centre(fmt)
     q = np.empty(4 * k, np.uint8)
-    ones = np.ones(32, np.uint8)
     dw = np.empty(4 * nb, np.float32)
-    mw = np.zeros(4 * nb, np.float32)
     pw = np.ones(4 * nb, np.float32)
-    wsum = np.empty(4 * nb, np.int32)
     isum = np.empty(4 * nb, np.int32)
     term = np.zeros(4 * nb, np.float32)
     for r in range(r0, r1, 4):
         g = min(4, r1 - r)  # rows in this group
-        base = r * nb * ts
         n = g * nb  # blocks in this group
         for b in range(n):
             off = _block_offset(fmt, ts, nb, r + b // nb, b % nb)
-            dw[b], mw[b], pw[b] = _block_header(raw, off, b % nb, fmt)
-        if fmt == Q8_0:
-            _block_sums(ones, 0, 0, raw, base + 2, ts, n, wsum)
-        else:
-            for b in range(n):
-                off = _block_offset(fmt, ts, nb, r + b // nb, b % nb)
-                _decode_stored(raw, off, b % nb, q, b * 32, fmt)
+            dw[b], pw[b] = _block_header(raw, off, b % nb, fmt)
+            _decode_stored(raw, off, b % nb, q, b * 32, fmt)
         for t in range(tokens):
             for i in range(g):
-                if fmt == Q8_0:
-                    _block_sums(xu, t * k, 32, raw, base + i * nb * ts + 2, ts, nb, isum[i * nb :])
-                else:
-                    _block_sums(q, i * k, 32, qx, t * k, 32, nb, isum[i * nb :])
+                _block_sums(q, i * k, 32, qx, t * k, 32, nb, isum[i * nb :])
             yd = dx[t]
-            ys = sx[t]
             for i in range(g):
                 for b in range(nb):
                     j = i * nb + b
-                    if fmt == Q8_0:
-                        isum[j] -= 128 * wsum[j]
-                    elif centre:
-                        isum[j] -= centre * xsum[b, t]
-                    if fmt == Q4_0:
-                        term[j] = (np.float32(isum[j]) * dw[j]) * yd[b]
-                    elif fmt == IQ4_XS:
+                    isum[j] -= CENTRE * xsum[b, t]
+                    if fmt == IQ4_XS:
                         term[j] = ((dw[j] * yd[b]) * pw[j]) * np.float32(isum[j])
-                    elif fmt == Q4_1 or fmt == Q5_1:
-                        term[j] = (dw[j] * yd[b]) * np.float32(isum[j]) + mw[j] * ys[b]
                     else:
                         term[j] = (dw[j] * yd[b]) * np.float32(isum[j])
             a0 = a1 = a2 = a3 = F32(0)
@@ -331,20 +267,16 @@ def _legacy_rows(raw, fmt, ts, r0, r1, qx, xu, xsum, dx, sx, out):
 
 
 @njit(**JIT)
-def _legacy_tiles(raw, fmt, ts, r0, r1, xv, tpad, xsum, dxt, sxt, out):
+def _table_tiles(raw, fmt, ts, r0, r1, xv, tpad, xsum, dxt, out):
     """Many tokens: per group of 4 rows and per block (decoded once), the integer sums of 16
     tokens at a time (``token_dots``; the 4 rows in turn, while the tokens' 512 bytes are
     in L1), then the terms added to each row's running sums (elementwise, vectorized).
     Rows are staged 16 at a time and stored token by token (a cache line each)."""
     nb, tokens = dxt.shape
-    centre = _centre(fmt)
     q = np.empty(4 * 32, np.uint8)
-    ones = np.ones(32, np.uint8)
     isum = np.empty((4, tpad), np.int32)
     d = np.empty(4, np.float32)
-    m = np.zeros(4, np.float32)
     p = np.ones(4, np.float32)
-    wsum = np.zeros(4, np.int32)
     gs = tpad * 4
     stage = np.empty((16, tokens), np.float32)
     for r in range(r0, r1, 4):
@@ -355,41 +287,23 @@ def _legacy_tiles(raw, fmt, ts, r0, r1, xv, tpad, xsum, dxt, sxt, out):
         for b in range(nb):
             for i in range(g):
                 off = _block_offset(fmt, ts, nb, r + i, b)
-                d[i], m[i], p[i] = _block_header(raw, off, b, fmt)
-                if fmt == Q8_0:
-                    dots(ones, 0, 0, raw, off + 2, 0, wsum[i:], 1)
-                else:
-                    _decode_stored(raw, off, b, q, 32 * i, fmt)
+                d[i], p[i] = _block_header(raw, off, b, fmt)
+                _decode_stored(raw, off, b, q, 32 * i, fmt)
             for t0 in range(0, tpad, 16):
                 xo = b * 8 * gs + 4 * t0
                 for i in range(g):
-                    if fmt == Q8_0:
-                        off = ((r + i) * nb + b) * ts
-                        token_dots(raw, off + 2, xv, xo, gs, isum[i, t0:], 1)
-                    else:
-                        token_dots(q, 32 * i, xv, xo, gs, isum[i, t0:], 0)
+                    token_dots(q, 32 * i, xv, xo, gs, isum[i, t0:], 0)
             yd = dxt[b]
-            ys = sxt[b]
             xs = xsum[b]
             for i in range(g):
-                di, mi, pi, si, ai = d[i], m[i], p[i], isum[i], acc[i]
-                w128 = 128 * wsum[i]
-                # the signed integer sums (see _matmul_legacy), then ggml's float terms
-                if fmt == Q8_0:
+                di, pi, si, ai = d[i], p[i], isum[i], acc[i]
+                # the signed integer sums (see _matmul_table), then ggml's float terms
+                if fmt == IQ4_XS:
                     for t in range(tokens):
-                        ai[t] += (di * yd[t]) * np.float32(si[t] - w128)
-                elif fmt == Q4_0:
-                    for t in range(tokens):
-                        ai[t] += (np.float32(si[t] - centre * xs[t]) * di) * yd[t]
-                elif fmt == IQ4_XS:
-                    for t in range(tokens):
-                        ai[t] += ((di * yd[t]) * pi) * np.float32(si[t] - centre * xs[t])
-                elif centre:  # Q5_0, IQ4_NL, MXFP4
-                    for t in range(tokens):
-                        ai[t] += (di * yd[t]) * np.float32(si[t] - centre * xs[t])
+                        ai[t] += ((di * yd[t]) * pi) * np.float32(si[t] - CENTRE * xs[t])
                 else:
                     for t in range(tokens):
-                        ai[t] += (di * yd[t]) * np.float32(si[t]) + mi * ys[t]
+                        ai[t] += (di * yd[t]) * np.float32(si[t] - CENTRE * xs[t])
         if at + g == 16 or r + g == r1:
             _unstage(stage, at + g, out, r + g - (at + g))
 
@@ -568,7 +482,7 @@ def _iq_rows(raw, fmt, r0, r1, xq, dx, out):
 def _iq_tiles(raw, fmt, r0, r1, xw, tpad, dxt, out):
     """Many tokens: per super-block (decoded once, scales folded into int16 weights
     regrouped by lane: |w| <= 43 * 31), each lane's sums for 16 tokens at a time
-    (``token_wdots``), the lanes added; rows staged as in :func:`_legacy_tiles`."""
+    (``token_wdots``), the lanes added; rows staged as in :func:`_table_tiles`."""
     nb, tokens = dxt.shape
     ts = _iq_type_size(fmt)
     gs = tpad * 2  # int16 elements between a lane's pairs
@@ -603,9 +517,9 @@ def _iq_tiles(raw, fmt, r0, r1, xw, tpad, dxt, out):
 # One kernel per weight format, the format a constant and every branch on it folded away:
 # a branch at run time costs more than it seems (LLVM merges the formats' stores into one
 # place, then decodes every format to select one: 5x slower on K-quant headers).
-def _legacy_kernel(fmt: int, parallel: bool) -> Any:
+def _table_kernel(fmt: int, parallel: bool) -> Any:
     def kernel(raw, rows, x, simd, threads):
-        return _matmul_legacy(raw, fmt, rows, x, simd, threads)
+        return _matmul_table(raw, fmt, rows, x, simd, threads)
 
     return named_kernel(kernel, "matmul", fmt, parallel)
 
@@ -620,7 +534,7 @@ def _iq_kernel(fmt: int, parallel: bool) -> Any:
 # Each format parallel over weight rows (numba's threads) and serial: a parallel region has
 # every thread meet at its end, which costs more than a small matmul on one thread, and
 # much more when the machine is busy and a thread is waiting for a core.
-KERNELS = {fmt: (_legacy_kernel(fmt, True), _legacy_kernel(fmt, False)) for fmt in TABLE_FORMATS}
+KERNELS = {fmt: (_table_kernel(fmt, True), _table_kernel(fmt, False)) for fmt in TABLE_FORMATS}
 KERNELS.update({fmt: (_iq_kernel(fmt, True), _iq_kernel(fmt, False)) for fmt in IQ})
 
 

@@ -7,9 +7,7 @@ LLVM IR: portable IR (LLVM picks ``vpmaddwd``, ``vpmovsxbw`` and shuffles on x86
 NEON forms on ARM), and AVX512-VNNI's ``vpdpbusd`` / ``vpdpwssd`` where numba compiles for
 a host that has them (:data:`VNNI`):
 
-* :func:`decode_block`: one weight block's integer codes, signed as ``IntegerForm.q`` or as
-  stored; :func:`decode_scales`: a K-quant super-block's integer scales and mins;
-  :func:`decode_levels`: the 32 levels a block of 4-bit indices picks from its format's table
+* :func:`decode_levels`: the 32 levels a block of 4-bit indices picks from its format's table
   (IQ4_NL, IQ4_XS, MXFP4), offset by 128 to be unsigned (``pshufb`` where the host has
   SSSE3, a chain of selects otherwise);
 * :func:`dots`: integer dot products of runs of 32 bytes, unsigned by signed, several at once
@@ -178,27 +176,6 @@ def _literal(ty: Any, allowed: tuple[int, ...], what: str) -> int | None:
     if value not in allowed:
         raise TypeError(f"{what} is one of {allowed}, not {value}")
     return value
-
-
-@intrinsic(prefer_literal=True)
-def decode_block(typingctx: Any, raw: Any, off: Any, q: Any, qo: Any, fmt: Any, stored: Any) -> Any:
-    """Write the codes of the block at byte ``off`` of ``raw`` to ``q[qo:qo+block]``: signed
-    as ``integer_form`` gives them, or (``stored`` 1, the 32-blocks) unsigned as stored."""
-    f = _literal(fmt, LEGACY + KQUANTS, "decode_block: fmt")
-    raw_codes = _literal(stored, (0, 1), "decode_block: stored")
-    if f is None or raw_codes is None:
-        return None
-
-    def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> Any:
-        p = _ptr(context, builder, sig.args[0], args[0], args[1])
-        out = _ptr(context, builder, sig.args[2], args[2], args[3])
-        runs = [_legacy_codes(builder, f, p, not raw_codes)] if f in LEGACY else []
-        runs += [_kquant_run(builder, f, p, m) for m in range(8)] if f in KQUANTS else []
-        for m, v in enumerate(runs):
-            builder.store(v, _at(builder, out, 32 * m, v.type), align=1)
-        return context.get_dummy_value()
-
-    return types.none(raw, off, q, qo, fmt, stored), codegen
 
 
 def _table_lookup(builder: ir.IRBuilder, table: list[int], idx: Any) -> Any:
@@ -524,34 +501,6 @@ def _kquant_scales(builder: ir.IRBuilder, fmt: int, p: Any) -> tuple[Any, Any]:
 
 
 @intrinsic(prefer_literal=True)
-def decode_scales(typingctx: Any, raw: Any, off: Any, sc: Any, mins: Any, fmt: Any) -> Any:
-    """A K-quant super-block's integer sub-block scales into ``sc[0:16]`` (``integer_form``'s
-    ``scales``; 8 for Q4_K/Q5_K) and its mins per group of 16 elements into ``mins[0:16]``
-    (Q4_K/Q5_K: each sub-block's twice; zero without mins), int32."""
-    f = _literal(fmt, KQUANTS, "decode_scales: fmt (a K-quant)")
-    if f is None:
-        return None
-
-    def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> Any:
-        zero = ir.Constant(ir.IntType(64), 0)
-        p = _ptr(context, builder, sig.args[0], args[0], args[1])
-        sc, mn = _kquant_scales(builder, f, p)
-        builder.store(
-            sc,
-            _at(builder, _ptr(context, builder, sig.args[2], args[2], zero), 0, sc.type),
-            align=1,
-        )
-        builder.store(
-            mn,
-            _at(builder, _ptr(context, builder, sig.args[3], args[3], zero), 0, mn.type),
-            align=1,
-        )
-        return context.get_dummy_value()
-
-    return types.none(raw, off, sc, mins, fmt), codegen
-
-
-@intrinsic(prefer_literal=True)
 def lanes8(typingctx: Any, q: Any, x: Any, ix: Any, scales: Any, out: Any, sub: Any) -> Any:
     """ggml's 8 accumulator lanes of one 256-block, in integers.
 
@@ -669,9 +618,7 @@ __all__: list[str] = [
     "LEGACY",
     "VNNI",
     "bits_float",
-    "decode_block",
     "decode_levels",
-    "decode_scales",
     "dots",
     "float_bits",
     "half_to_float",
