@@ -579,10 +579,10 @@ def iq4xs_row(
     return types.none(raw, off, nb, xq, xo, cx, co, yd, yo, out, oo), codegen
 
 
-@njit(**JIT)
-def q8k_plain(x):
-    """The rows of ``x`` (T, K) as Q8_K, codes in order (T*K,) int8, with d (T*K/256,)
-    float32 and 128 times the sum of each 32 codes (T*K/32,) int32."""
+@njit(**INLINE)
+def q8k_rows(x):
+    """The rows of ``x`` (T, K) as Q8_K: codes in order (T*K,) int8, d (T, K/256) float32,
+    the sums of each 16 codes (T, K/16) int32."""
     tokens, k = x.shape
     xq = np.empty(tokens * k, np.int8)
     dx = np.empty((tokens, k // 256), np.float32)
@@ -590,6 +590,15 @@ def q8k_plain(x):
     flat = x.reshape(-1)
     for t in range(tokens):
         q8k_row(flat, t, k, xq, dx, bsums)
+    return xq, dx, bsums
+
+
+@njit(**JIT)
+def q8k_plain(x):
+    """The rows of ``x`` (T, K) as Q8_K, codes in order (T*K,) int8, with d (T*K/256,)
+    float32 and 128 times the sum of each 32 codes (T*K/32,) int32."""
+    tokens, k = x.shape
+    xq, dx, bsums = q8k_rows(x)
     sums16 = bsums.reshape(-1)
     cx = np.empty(tokens * k // 32, np.int32)
     for i in range(tokens * k // 32):
@@ -657,13 +666,9 @@ def q8k_activations(x):
     with d (T, K/256) float32 and the sums of each 16 (T*K/16,) and of each 32 (T*K/32,)
     codes as int16 (at most 32 * 128 in magnitude)."""
     tokens, k = x.shape
-    xq = np.empty(tokens * k, np.int8)
-    dx = np.empty((tokens, k // 256), np.float32)
-    bsums = np.empty((tokens, k // 16), np.int32)
-    flat = x.reshape(-1)
+    xq, dx, bsums = q8k_rows(x)
     xl = np.empty(tokens * k, np.int8)
     for t in range(tokens):
-        q8k_row(flat, t, k, xq, dx, bsums)
         for c in range(t * k, (t + 1) * k, 64):
             for j in range(64):
                 xl[c + j] = xq[c + LANE_ORDER[j]]
