@@ -165,6 +165,7 @@ def cmd_imatrix(args: argparse.Namespace) -> int:
         backend=_backend(name, options),
         n_ctx=args.ctx,
         n_chunks=args.chunks,
+        skip_chunks=args.chunk,
         process_output=args.process_output,
         dataset=args.text,
         progress=progress,
@@ -706,6 +707,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("-o", "--output", default="imatrix.gguf", help="default: imatrix.gguf")
     s.add_argument("--ctx", "-c", type=int, default=512, help="tokens a chunk (default 512)")
     s.add_argument("--chunks", type=int, help="at most this many chunks (default: all)")
+    s.add_argument(
+        "--chunk", type=int, default=0, help="start from chunk N, as llama-imatrix (default 0)"
+    )
     s.add_argument(
         "--output-format", choices=["gguf", "dat"], help="default: gguf (dat for a .dat name)"
     )

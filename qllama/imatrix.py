@@ -395,9 +395,17 @@ def tokenize(tokenizer: Any, text: str) -> list[int]:
     return Tokenizer(vocab, max_chars=max(len(text), 1)).encode(text, special=False)
 
 
-def _check_length(n_tokens: int, n_ctx: int) -> None:
+def _check_length(n_tokens: int, n_ctx: int, skip_chunks: int = 0) -> None:
     if n_ctx < 1:
         raise ImatrixError(f"n_ctx must be positive, not {n_ctx}")
+    if skip_chunks < 0:
+        raise ImatrixError(f"skip_chunks must be 0 or more, not {skip_chunks}")
+    if skip_chunks and (skip_chunks + 2) * n_ctx >= n_tokens:
+        # llama-imatrix --chunk: refused unless more than two chunks are left after the skip
+        raise ImatrixError(
+            f"the corpus has {n_tokens} tokens; after skipping {skip_chunks} chunks of "
+            f"{n_ctx} too few are left (llama-imatrix needs more than 2 * n_ctx)"
+        )
     if n_tokens < 2 * n_ctx:
         raise ImatrixError(
             f"the corpus has {n_tokens} tokens; llama-imatrix needs at least 2 * n_ctx = "
@@ -411,20 +419,24 @@ def compute(
     *,
     n_ctx: int = DEFAULT_CTX,
     n_chunks: int | None = None,
+    skip_chunks: int = 0,
     dataset: str | None = None,
     progress: Any = None,
 ) -> ImportanceMatrix:
     """The importance matrix of ``model`` (loaded on a :class:`Collector`) over a corpus.
 
     ``text`` is the corpus (or its token ids); chunks of ``n_ctx`` tokens, at most
-    ``n_chunks`` of them. ``dataset`` names the corpus in the file (llama-imatrix writes its
-    ``-f`` path). ``progress(i, n)`` is called before each chunk.
+    ``n_chunks`` of them, after the first ``skip_chunks`` (llama-imatrix ``--chunk``: a
+    calibration text kept apart from an evaluation on the corpus's start). ``dataset`` names
+    the corpus in the file (llama-imatrix writes its ``-f`` path). ``progress(i, n)`` is
+    called before each chunk.
     """
     backend = model.backend
     if not isinstance(backend, Collector):
         raise ImatrixError("load the model on an imatrix.Collector to compute an imatrix")
     tokens = tokenize(model, text) if isinstance(text, str) else [int(t) for t in text]
-    _check_length(len(tokens), n_ctx)
+    _check_length(len(tokens), n_ctx, skip_chunks)
+    tokens = tokens[skip_chunks * n_ctx :]
     n_chunk = len(tokens) // n_ctx
     if n_chunks is not None and n_chunks >= 0:
         n_chunk = min(n_chunk, n_chunks)
@@ -458,6 +470,7 @@ def from_corpus(
     backend: Any = None,
     n_ctx: int = DEFAULT_CTX,
     n_chunks: int | None = None,
+    skip_chunks: int = 0,
     process_output: bool = False,
     dataset: str | None = None,
     progress: Any = None,
@@ -471,13 +484,19 @@ def from_corpus(
 
     # the corpus first: a short one is refused before the model is built
     tokens = tokenize(Tokenizer.from_gguf(path), text)
-    _check_length(len(tokens), n_ctx)
+    _check_length(len(tokens), n_ctx, skip_chunks)
     inner = get_backend(backend) if backend is None or isinstance(backend, str) else backend
     collector = Collector(inner, process_output=process_output)
     model = load(path, backend=collector, n_ctx=n_ctx, **load_options)
     try:
         return compute(
-            model, tokens, n_ctx=n_ctx, n_chunks=n_chunks, dataset=dataset, progress=progress
+            model,
+            tokens,
+            n_ctx=n_ctx,
+            n_chunks=n_chunks,
+            skip_chunks=skip_chunks,
+            dataset=dataset,
+            progress=progress,
         )
     finally:
         model.source.close()

@@ -97,6 +97,22 @@ def test_chunks_start_over_with_bos_and_drop_the_tail(add_bos):
     assert len(model.chunks) == 2
 
 
+def test_skipped_chunks_are_not_run():
+    # llama-imatrix --chunk N: the first N chunks' tokens are dropped before chunking
+    model = _Recorder(False)
+    tokens = list(range(5 * 20 + 3))
+    imatrix.compute(model, tokens, n_ctx=20, skip_chunks=2)
+    assert model.chunks == [tokens[40:60], tokens[60:80], tokens[80:100]]
+    model = _Recorder(False)
+    imatrix.compute(model, tokens, n_ctx=20, n_chunks=1, skip_chunks=3)
+    assert model.chunks == [tokens[60:80]]
+    # refused, as llama-imatrix does, unless more than two chunks' tokens are left
+    with pytest.raises(ImatrixError, match="after skipping 4 chunks"):
+        imatrix.compute(_Recorder(False), list(range(6 * 20)), n_ctx=20, skip_chunks=4)
+    with pytest.raises(ImatrixError, match="skip_chunks must be 0 or more"):
+        imatrix.compute(_Recorder(False), tokens, n_ctx=20, skip_chunks=-1)
+
+
 def test_too_short_a_corpus_is_refused():
     with pytest.raises(ImatrixError, match="at least 2 \\* n_ctx = 40"):
         imatrix.compute(_Recorder(False), list(range(39)), n_ctx=20)

@@ -44,6 +44,10 @@ name = "cpu"
 name = "gpu"
 backend = "torch"
 prompts = ["a"]
+[[setting]]
+name = "jax"
+backend = "jax"
+variants = ["Q8_0"]
 
 [[prompt]]
 name = "a"
@@ -79,7 +83,11 @@ def python_form() -> Study:
         measures=(MeasureSpec("teacher_forcing"), MeasureSpec("free_generation", {"extra": 5})),
         reference=ReferenceSpec(kind="qllama"),
         variants=(Variant("F32"), Variant("Q8_0")),
-        settings=(Setting("cpu"), Setting("gpu", backend="torch", prompts=("a",))),
+        settings=(
+            Setting("cpu"),
+            Setting("gpu", backend="torch", prompts=("a",)),
+            Setting("jax", backend="jax", variants=("Q8_0",)),
+        ),
         prompts=(
             Prompt("a", text="Hi"),
             Prompt("b", text="The sky is", chat=False, max_new_tokens=8),
@@ -101,7 +109,18 @@ def test_toml_and_python_give_the_same_study(tmp_path):
 
 def test_the_seed_declaration_loads():
     study = load_study(ROOT / "experiments" / "seed.toml")
-    assert [v.name for v in study.variants] == ["F32", "Q8_0", "Q4_K_M"]
+    assert [v.name for v in study.variants] == [
+        "F32",
+        "Q8_0",
+        "Q4_K_M",
+        "Q4_K_M-imatrix",
+        "IQ4_XS-imatrix",
+    ]
+    # the importance matrices calibrate on text the corpus measure does not score
+    corpus = next(m for m in study.measures if m.name == "corpus")
+    for v in study.variants[3:]:
+        assert v.imatrix_corpus == "corpus:botchan"
+        assert v.imatrix_skip_chunks * 512 >= corpus.options.get("chunks", 16) * 512
     assert len(study.prompts) >= 6 and study.prompt("cpu-cache").max_new_tokens == 300
     assert {p.chat for p in study.prompts} == {True, False}  # chat and raw prompts
 
@@ -116,10 +135,12 @@ def test_cells_are_the_product_with_filters_and_draws():
         "a/Q8_0-cpu",
         "a/Q8_0-cpu~haswell",
         "a/Q8_0-gpu",
+        "a/Q8_0-jax",
         "b/F32-cpu",
         "b/F32-cpu~haswell",
         "b/Q8_0-cpu",
         "b/Q8_0-cpu~haswell",
+        "b/Q8_0-jax",
     ]
     # the optional draw runs only when asked for, and only on its variants
     on = [c.id for c in product(with_draws(study, ["peer"]))]
@@ -175,6 +196,8 @@ BAD = [
     ({"measures": []}, "declares no measure"),
     ({"threads": 0}, "threads must be at least 1"),
     ({"variant": [{"type": "F32", "imatrix": "a", "imatrix_corpus": "b"}]}, "not both"),
+    ({"variant": [{"type": "F32", "imatrix_skip_chunks": 2}]}, "imatrix_skip_chunks is a count"),
+    ({"setting": [{"name": "cpu", "variants": ["Q8_0"]}]}, "names the variant 'Q8_0'"),
     ({"threads": "two"}, "threads must be int"),
     ({"prompt": [{"name": "p", "text": "x", "max_new_tokens": "9"}]}, "max_new_tokens must be int"),
     ({"draw": [{"name": "d", "settings": ["cpu"], "env": {"A": 1}}]}, "draw 'd': A must be str"),

@@ -56,6 +56,8 @@ def product(study: Study, *, optional: bool = False) -> list[Cell]:
             for s in study.settings:
                 if s.prompts and p.name not in s.prompts:
                     continue
+                if s.variants and v.name not in s.variants:
+                    continue
                 out.append(Cell(p.name, v.name, s.name))
                 out += [
                     Cell(p.name, v.name, s.name, d.name)

@@ -42,8 +42,9 @@ class Variant:
     ``source`` (the source file as it is). ``imatrix`` names an importance-matrix file (GGUF or
     legacy ``.dat``; a relative path is the declaration folder's) and ``imatrix_corpus`` a text
     to compute one from (``corpus:botchan`` or a file), at most ``imatrix_chunks`` windows of
-    it: the type is then quantized with it as llama-quantize ``--imatrix`` does, and the
-    matrix's hash is part of the file's name.
+    it after the first ``imatrix_skip_chunks`` (llama-imatrix ``--chunk``: calibrate on a part
+    of a corpus that a corpus measure does not score): the type is then quantized with it as
+    llama-quantize ``--imatrix`` does, and the matrix's hash is part of the file's name.
     """
 
     type: str
@@ -51,6 +52,7 @@ class Variant:
     imatrix: str | None = None
     imatrix_corpus: str | None = None
     imatrix_chunks: int | None = None  # of imatrix_corpus, 512 tokens each (default: all)
+    imatrix_skip_chunks: int = 0  # of imatrix_corpus, skipped first
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -62,8 +64,8 @@ class Setting:
     """An arithmetic: which engine computes the cell, on which backend, with which options.
 
     ``prompts`` limits the setting to those prompts (an expensive extra column on the main
-    prompt only); empty means every prompt. ``memory_mb`` is what a Dask task of it declares
-    (default: estimated from the file's size).
+    prompt only) and ``variants`` to those variants; empty means every one. ``memory_mb`` is
+    what a Dask task of it declares (default: estimated from the file's size).
     """
 
     name: str
@@ -72,6 +74,7 @@ class Setting:
     engine: str = "qllama"
     about: str = ""
     prompts: tuple[str, ...] = ()
+    variants: tuple[str, ...] = ()
     memory_mb: int | None = None
 
 
@@ -272,6 +275,7 @@ def check(study: Study) -> None:
         if s.engine not in ENGINES:
             raise StudyError(f"setting {s.name!r}: engine must be one of {ENGINES}")
         _known(s.prompts, prompts, f"setting {s.name!r}", "prompt")
+        _known(s.variants, variants, f"setting {s.name!r}", "variant")
     ref = study.reference
     if ref.kind not in REFERENCE_KINDS:
         raise StudyError(f"reference kind must be one of {REFERENCE_KINDS}, not {ref.kind!r}")
@@ -309,6 +313,8 @@ def check(study: Study) -> None:
             raise StudyError(f"variant {v.name!r}: give an imatrix or a corpus, not both")
         if v.imatrix_chunks is not None and (not v.imatrix_corpus or v.imatrix_chunks < 1):
             raise StudyError(f"variant {v.name!r}: imatrix_chunks is a positive count of a corpus")
+        if v.imatrix_skip_chunks and (not v.imatrix_corpus or v.imatrix_skip_chunks < 0):
+            raise StudyError(f"variant {v.name!r}: imatrix_skip_chunks is a count of a corpus")
 
 
 def _measure_cells(study: Study) -> None:

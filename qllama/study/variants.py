@@ -130,6 +130,8 @@ def _computed_imatrix(f32: Path, variant: Variant, folder: Path) -> Path:
     assert variant.imatrix_corpus is not None
     text, origin = from_spec(variant.imatrix_corpus)
     what = [file_sha256(f32), origin["sha256"], variant.imatrix_chunks, __version__]
+    if variant.imatrix_skip_chunks:  # (a key without a skip is the one it always was)
+        what.append(variant.imatrix_skip_chunks)
     key = hashlib.sha256(json.dumps(what).encode()).hexdigest()[:16]
     path = folder / f"imatrix-{key}.gguf"
     with exclusive(path.with_suffix(".lock")):
@@ -138,6 +140,7 @@ def _computed_imatrix(f32: Path, variant: Variant, folder: Path) -> Path:
                 f32,
                 text,
                 n_chunks=variant.imatrix_chunks,
+                skip_chunks=variant.imatrix_skip_chunks,
                 dataset=origin.get("corpus") or origin.get("file"),
             )
             write_imatrix(path, m)
