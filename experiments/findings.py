@@ -20,6 +20,14 @@ from qllama.study import Check, View
 from qllama.trace import BAND_FACTOR as BAND
 
 QUANTIZED = ("Q8_0", "Q4_K_M")
+# quantized with an importance matrix (section 10); the findings about float order hold for
+# every quantized file
+IMATRIX = ("Q4_K_M-imatrix", "IQ4_XS-imatrix")
+
+
+def _quantized(view: View) -> list[str]:
+    """The quantized files of this prompt's cells, with an importance matrix or without."""
+    return [v for v in QUANTIZED + IMATRIX if v in view.variants]
 
 
 def _margins(view: View, variant: str, setting: str) -> list[float] | None:
@@ -98,7 +106,7 @@ SAME = 1e-3
 
 
 def gpu_is_dequantize_all(view: View) -> Iterator[Check]:
-    for v in QUANTIZED:
+    for v in _quantized(view):
         gpu, da = _median(view, v, "gpu"), _median(view, v, "dequantize-all")
         rel = abs(da - gpu) / gpu
         yield Check(
@@ -197,7 +205,7 @@ def q4_flips_more(view: View) -> Iterator[Check]:
 
 
 def gpu_flips_as_dequantize_all(view: View) -> Iterator[Check]:
-    for v in QUANTIZED:
+    for v in _quantized(view):
         g = [f["step"] for f in view.cell(v, "gpu")["teacher_forcing"]["flips"]]  # type: ignore[index]
         d = [f["step"] for f in view.cell(v, "dequantize-all")["teacher_forcing"]["flips"]]  # type: ignore[index]
         yield Check(
@@ -240,7 +248,7 @@ def _fmt(x: int | None) -> str:
 
 
 def gpu_tokens_as_dequantize_all(view: View) -> Iterator[Check]:
-    for v in QUANTIZED:
+    for v in _quantized(view):
         a = view.cell(v, "gpu")["free_generation"]["tokens"]  # type: ignore[index]
         b = view.cell(v, "dequantize-all")["free_generation"]["tokens"]  # type: ignore[index]
         at = fork(a, b)
@@ -382,7 +390,7 @@ def _trace(view: View, variant: str, setting: str) -> dict | None:
 # The error enters in block 0, not at the embedding (the embedding is exact: see above), and
 # for every quantized file and arithmetic: the first residual point outside the F32 band.
 def error_enters_in_block_0(view: View) -> Iterator[Check]:
-    for v in QUANTIZED:
+    for v in _quantized(view):
         for s in view.settings:
             t, control = _trace(view, v, s), _trace(view, "F32", s)
             if t is None or control is None:
@@ -493,7 +501,7 @@ def cpu_adds_error_on_the_corpus(view: View) -> Iterator[Check]:
 # 4.5e-7 (Q8_0) and 5.3e-7 (Q4_K_M). Twice SAME: a relative change e of the logit error
 # changes KL by about 2e.
 def gpu_is_dequantize_all_on_the_corpus(view: View) -> Iterator[Check]:
-    for v in QUANTIZED:
+    for v in _quantized(view):
         gpu, da = _kld(view, v, "gpu"), _kld(view, v, "dequantize-all")
         if gpu is not None and da is not None:
             rel = abs(da - gpu) / gpu
@@ -503,4 +511,120 @@ def gpu_is_dequantize_all_on_the_corpus(view: View) -> Iterator[Check]:
                 rel,
                 f"<= {2 * SAME:g}",
                 rel <= 2 * SAME,
+            )
+
+
+# --- 10. the importance matrix ------------------------------------------------------------------
+# Q4_K_M and IQ4_XS quantized with an importance matrix computed over Botchan (16 chunks of
+# 512 tokens after the corpus measure's 16 windows): does it change which part of the
+# arithmetic causes the drift, and by how much? Orderings, not tolerances: each compares two
+# files under the same arithmetic, whose difference is the matrix alone.
+
+
+def _excess(view: View, variant: str) -> float:
+    """The CPU arithmetic's excess over the GPU's on the median per-step max|Δ|."""
+    return _median(view, variant, "cpu") / _median(view, variant, "gpu") - 1
+
+
+def imatrix_lowers_q4_error(view: View) -> Iterator[Check]:
+    for s in view.settings:
+        if view.cell("Q4_K_M", s) is None or view.cell("Q4_K_M-imatrix", s) is None:
+            continue
+        r = _median(view, "Q4_K_M-imatrix", s) / _median(view, "Q4_K_M", s)
+        yield Check(
+            f"Q4_K_M-imatrix-{s} / Q4_K_M-{s}", "median per-step max|Δ| ratio", r, "< 1", r < 1
+        )
+
+
+# With an importance matrix the weights still dominate: the CPU arithmetic's excess is
+# smaller than it is on Q8_0, as for Q4_K_M without one (q4_swamps_activations).
+def imatrix_keeps_weights_dominant(view: View) -> Iterator[Check]:
+    q8 = _excess(view, "Q8_0")
+    for v in IMATRIX:
+        if view.cell(v, "cpu") is None:
+            continue
+        x = _excess(view, v)
+        yield Check(
+            f"{v} vs Q8_0 (cpu / gpu)",
+            "CPU excess of the median",
+            x,
+            "< Q8_0's",
+            x < q8,
+            shown=f"{x:+.3f} vs {q8:+.3f}",
+        )
+
+
+# By how much: the activation rounding's share of the error grows as the weight error
+# shrinks. The CPU excess with the matrix against without it, on the median.
+def imatrix_raises_cpu_share(view: View) -> Iterator[Check]:
+    if view.cell("Q4_K_M-imatrix", "cpu") is None:
+        return
+    a, b = _excess(view, "Q4_K_M-imatrix"), _excess(view, "Q4_K_M")
+    yield Check(
+        "Q4_K_M-imatrix vs Q4_K_M (cpu / gpu)",
+        "CPU excess of the median",
+        a,
+        "> Q4_K_M's",
+        a > b,
+        shown=f"{a:+.3f} vs {b:+.3f}",
+    )
+
+
+def imatrix_weight_error_is_spread(view: View) -> Iterator[Check]:
+    return _spread(view, "Q4_K_M-imatrix", "dequantize-all")
+
+
+def imatrix_weight_errors_add_up(view: View) -> Iterator[Check]:
+    return _adds_up(view, "Q4_K_M-imatrix", "dequantize-all")
+
+
+# Which classes the matrix helps: each class's excess mean KLD with it against without it.
+def imatrix_lowers_every_class(view: View) -> Iterator[Check]:
+    a = _attribution(view, "Q4_K_M-imatrix", "dequantize-all")
+    b = _attribution(view, "Q4_K_M", "dequantize-all")
+    if a is None or b is None:
+        return
+    without = {p["group"]: p["excess_mean_kld"] for p in b["parts"]}
+    for p in a["parts"]:
+        x, y = p["excess_mean_kld"], without[p["group"]]
+        if y == 0.0:  # the output class: the same Q8_0 blocks either way
+            continue
+        yield Check(
+            f"Q4_K_M-imatrix-dequantize-all: {p['group']}",
+            "excess mean KLD with / without the matrix",
+            x / y,
+            "< 1",
+            x < y,
+        )
+
+
+# Over the corpus: the matrix lowers the KL divergence on every arithmetic, and the CPU
+# arithmetic's excess stays below Q8_0's.
+def imatrix_lowers_kld_on_the_corpus(view: View) -> Iterator[Check]:
+    for s in view.settings:
+        a, b = _kld(view, "Q4_K_M-imatrix", s), _kld(view, "Q4_K_M", s)
+        if a is not None and b is not None:
+            yield Check(
+                f"Q4_K_M-imatrix-{s} / Q4_K_M-{s}", "corpus mean KLD ratio", a / b, "< 1", a < b
+            )
+
+
+def imatrix_keeps_weights_dominant_on_the_corpus(view: View) -> Iterator[Check]:
+    ratios = {}
+    for v in ("Q8_0", *IMATRIX):
+        cpu, gpu = _kld(view, v, "cpu"), _kld(view, v, "gpu")
+        if cpu is not None and gpu is not None:
+            ratios[v] = cpu / gpu - 1
+    if "Q8_0" not in ratios:
+        return
+    for v in IMATRIX:
+        if v in ratios:
+            x, q8 = ratios[v], ratios["Q8_0"]
+            yield Check(
+                f"{v} vs Q8_0 (cpu / gpu)",
+                "corpus mean KLD: CPU excess",
+                x,
+                "< Q8_0's",
+                x < q8,
+                shown=f"{x:+.3f} vs {q8:+.3f}",
             )

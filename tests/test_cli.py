@@ -61,6 +61,14 @@ def test_imatrix_then_quantize_with_it(tiny, tmp_path, capsys):
     )
     dat = tmp_path / "im.dat"
     assert main(["imatrix", str(tiny), "-f", str(corpus), "-o", str(dat), "-c", "32", "-q"]) == 0
+    # --chunk: the first chunks skipped, as llama-imatrix --chunk; fewer chunks are summed
+    skipped = tmp_path / "skipped.gguf"
+    args = ["imatrix", str(tiny), "-f", str(corpus), "-o", str(skipped), "-c", "32", "-q"]
+    assert main([*args, "--chunk", "2"]) == 0
+    assert (
+        read_gguf(skipped).get("imatrix.chunk_count")
+        == read_gguf(im).get("imatrix.chunk_count") - 2
+    )
     assert main(["quantize", "-q", str(tiny), str(out), "Q4_K_M", "--imatrix", str(dat)]) == 0
 
 
@@ -77,6 +85,10 @@ def test_imatrix_then_quantize_with_it(tiny, tmp_path, capsys):
         ),
         (
             ["imatrix", "{tiny}", "--text", "{short}", "-o", "{out}"],
+            "qllama imatrix: error: the corpus has",
+        ),
+        (
+            ["imatrix", "{tiny}", "--text", "{short}", "-o", "{out}", "--chunk", "3"],
             "qllama imatrix: error: the corpus has",
         ),
         (
