@@ -628,3 +628,23 @@ def imatrix_keeps_weights_dominant_on_the_corpus(view: View) -> Iterator[Check]:
                 x < q8,
                 shown=f"{x:+.3f} vs {q8:+.3f}",
             )
+
+
+# The CPU arithmetic's share over the corpus: its excess of mean KLD with the matrix against
+# without it. One measurement of the base draw (the corpus cells have no CPU band): reported.
+def imatrix_raises_cpu_share_on_the_corpus(view: View) -> Iterator[Check]:
+    ratios = {}
+    for v in ("Q4_K_M", "Q4_K_M-imatrix"):
+        cpu, gpu = _kld(view, v, "cpu"), _kld(view, v, "gpu")
+        if cpu is not None and gpu is not None:
+            ratios[v] = cpu / gpu - 1
+    if len(ratios) == 2:
+        a, b = ratios["Q4_K_M-imatrix"], ratios["Q4_K_M"]
+        yield Check(
+            "Q4_K_M-imatrix vs Q4_K_M (cpu / gpu)",
+            "corpus mean KLD: CPU excess",
+            a,
+            "> Q4_K_M's",
+            a > b,
+            shown=f"{a:+.3f} vs {b:+.3f}",
+        )
