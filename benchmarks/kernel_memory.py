@@ -42,29 +42,20 @@ cc.target_cpu = "host"
 SIG = ("void(uint8[::1], int64[::1], int64[::1], float32[:, ::1], boolean, int64, "
        "float32[::1], int64[::1])")
 
-
-@cc.export("gemm_Q4_K", SIG)
-def gemm_q4k(buf, offs, rows, x, simd, threads, out, outs_at):
-    gemm_kquant(buf, offs, rows, x, simd, threads, out, outs_at, Q4_K)
-
-
-@cc.export("gemv_Q4_K", SIG)
-def gemv_q4k(buf, offs, rows, x, simd, threads, out, outs_at):
-    gemv_kquant(buf, offs, rows, x, simd, threads, out, outs_at, Q4_K)
-
-
-@cc.export("gemm_Q8_0", SIG)
-def gemm_q80(buf, offs, rows, x, simd, threads, out, outs_at):
-    gemm_legacy(buf, offs, rows, x, simd, threads, out, outs_at, Q8_0)
-
-
-@cc.export("gemv_Q8_0", SIG)
-def gemv_q80(buf, offs, rows, x, simd, threads, out, outs_at):
-    gemv_legacy(buf, offs, rows, x, simd, threads, out, outs_at, Q8_0)
-
-
-cc.compile()
 """
+
+# one exported function per kernel: pycc compiles module-level functions only
+EXPORT = """
+@cc.export("{kind}_{fmt}", SIG)
+def {kind}_{fmt}(buf, offs, rows, x, simd, threads, out, outs_at):
+    {driver}(buf, offs, rows, x, simd, threads, out, outs_at, {fmt})
+"""
+DRIVERS = {
+    ("gemm", "Q4_K"): "gemm_kquant",
+    ("gemv", "Q4_K"): "gemv_kquant",
+    ("gemm", "Q8_0"): "gemm_legacy",
+    ("gemv", "Q8_0"): "gemv_legacy",
+}
 
 # one process: RSS along the way, then the outputs for the bit comparison
 MEASURE = """
@@ -155,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="qllama-aot-") as folder:
         print("compiling ahead of time ...", flush=True)
-        _python(BUILD.format(out=folder))
+        exports = "".join(EXPORT.format(kind=k, fmt=f, driver=d) for (k, f), d in DRIVERS.items())
+        _python(BUILD.format(out=folder) + exports + "\ncc.compile()\n")
         rng = np.random.default_rng(0)
         for f in FORMATS:
             w = rng.standard_normal((args.rows, args.k)).astype(np.float32)

@@ -536,38 +536,33 @@ def imatrix_lowers_q4_error(view: View) -> Iterator[Check]:
         )
 
 
+def _versus(a: str, b: str, xa: float, xb: float, metric: str, *, above: bool) -> Check:
+    """``a``'s CPU excess against ``b``'s: above it (or below it, with ``above=False``)."""
+    return Check(
+        f"{a} vs {b} (cpu / gpu)",
+        metric,
+        xa,
+        f"{'>' if above else '<'} {b}'s",
+        xa > xb if above else xa < xb,
+        shown=f"{xa:+.3f} vs {xb:+.3f}",
+    )
+
+
 # With an importance matrix the weights still dominate: the CPU arithmetic's excess is
 # smaller than it is on Q8_0, as for Q4_K_M without one (q4_swamps_activations).
 def imatrix_keeps_weights_dominant(view: View) -> Iterator[Check]:
     q8 = _excess(view, "Q8_0")
     for v in IMATRIX:
-        if view.cell(v, "cpu") is None:
-            continue
-        x = _excess(view, v)
-        yield Check(
-            f"{v} vs Q8_0 (cpu / gpu)",
-            "CPU excess of the median",
-            x,
-            "< Q8_0's",
-            x < q8,
-            shown=f"{x:+.3f} vs {q8:+.3f}",
-        )
+        if view.cell(v, "cpu") is not None:
+            yield _versus(v, "Q8_0", _excess(view, v), q8, "CPU excess of the median", above=False)
 
 
 # By how much: the activation rounding's share of the error grows as the weight error
 # shrinks. The CPU excess with the matrix against without it, on the median.
 def imatrix_raises_cpu_share(view: View) -> Iterator[Check]:
-    if view.cell("Q4_K_M-imatrix", "cpu") is None:
-        return
-    a, b = _excess(view, "Q4_K_M-imatrix"), _excess(view, "Q4_K_M")
-    yield Check(
-        "Q4_K_M-imatrix vs Q4_K_M (cpu / gpu)",
-        "CPU excess of the median",
-        a,
-        "> Q4_K_M's",
-        a > b,
-        shown=f"{a:+.3f} vs {b:+.3f}",
-    )
+    if view.cell("Q4_K_M-imatrix", "cpu") is not None:
+        a, b = _excess(view, "Q4_K_M-imatrix"), _excess(view, "Q4_K_M")
+        yield _versus("Q4_K_M-imatrix", "Q4_K_M", a, b, "CPU excess of the median", above=True)
 
 
 def imatrix_weight_error_is_spread(view: View) -> Iterator[Check]:
@@ -609,42 +604,27 @@ def imatrix_lowers_kld_on_the_corpus(view: View) -> Iterator[Check]:
             )
 
 
-def imatrix_keeps_weights_dominant_on_the_corpus(view: View) -> Iterator[Check]:
-    ratios = {}
-    for v in ("Q8_0", *IMATRIX):
+def _corpus_excess(view: View, variants: tuple[str, ...]) -> dict[str, float]:
+    """The CPU arithmetic's excess over the GPU's of corpus mean KLD, where both ran."""
+    out = {}
+    for v in variants:
         cpu, gpu = _kld(view, v, "cpu"), _kld(view, v, "gpu")
         if cpu is not None and gpu is not None:
-            ratios[v] = cpu / gpu - 1
-    if "Q8_0" not in ratios:
-        return
+            out[v] = cpu / gpu - 1
+    return out
+
+
+def imatrix_keeps_weights_dominant_on_the_corpus(view: View) -> Iterator[Check]:
+    x = _corpus_excess(view, ("Q8_0", *IMATRIX))
     for v in IMATRIX:
-        if v in ratios:
-            x, q8 = ratios[v], ratios["Q8_0"]
-            yield Check(
-                f"{v} vs Q8_0 (cpu / gpu)",
-                "corpus mean KLD: CPU excess",
-                x,
-                "< Q8_0's",
-                x < q8,
-                shown=f"{x:+.3f} vs {q8:+.3f}",
-            )
+        if "Q8_0" in x and v in x:
+            yield _versus(v, "Q8_0", x[v], x["Q8_0"], "corpus mean KLD: CPU excess", above=False)
 
 
 # The CPU arithmetic's share over the corpus: its excess of mean KLD with the matrix against
 # without it. One measurement of the base draw (the corpus cells have no CPU band): reported.
 def imatrix_raises_cpu_share_on_the_corpus(view: View) -> Iterator[Check]:
-    ratios = {}
-    for v in ("Q4_K_M", "Q4_K_M-imatrix"):
-        cpu, gpu = _kld(view, v, "cpu"), _kld(view, v, "gpu")
-        if cpu is not None and gpu is not None:
-            ratios[v] = cpu / gpu - 1
-    if len(ratios) == 2:
-        a, b = ratios["Q4_K_M-imatrix"], ratios["Q4_K_M"]
-        yield Check(
-            "Q4_K_M-imatrix vs Q4_K_M (cpu / gpu)",
-            "corpus mean KLD: CPU excess",
-            a,
-            "> Q4_K_M's",
-            a > b,
-            shown=f"{a:+.3f} vs {b:+.3f}",
-        )
+    x = _corpus_excess(view, ("Q4_K_M", "Q4_K_M-imatrix"))
+    if len(x) == 2:
+        a, b = x["Q4_K_M-imatrix"], x["Q4_K_M"]
+        yield _versus("Q4_K_M-imatrix", "Q4_K_M", a, b, "corpus mean KLD: CPU excess", above=True)
