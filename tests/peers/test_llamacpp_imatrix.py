@@ -37,18 +37,26 @@ def corpus(tmp_path_factory) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def both(llama_tool, corpus, tmp_path_factory):
+@pytest.fixture(scope="module", params=[0, 2], ids=["from-the-start", "chunk-2"])
+def both(request, llama_tool, corpus, tmp_path_factory):
+    """Both tools' matrices, from the corpus's start and from its chunk 2 (``--chunk``)."""
+    skip = request.param
     f32 = variant("smollm2-135m-instruct", "F32")
     out = tmp_path_factory.mktemp("imatrix") / "llama.imatrix.gguf"
     args = ["-m", str(f32), "-f", str(corpus), "-o", str(out)]
     args += ["-c", str(N_CTX), "-b", str(N_CTX), "--chunks", str(N_CHUNKS), "-t", "2"]
-    args += ["-fa", "off", "-ctk", "f32", "-ctv", "f32", "--no-ppl"]
+    args += ["-fa", "off", "-ctk", "f32", "-ctv", "f32", "--no-ppl", "--chunk", str(skip)]
     run = llama_tool("llama-imatrix", *args, timeout=1800)
     assert run.returncode == 0, run.stderr[-3000:]
     text = corpus.read_text(encoding="utf-8")
     ours = imatrix.from_corpus(
-        f32, text, n_ctx=N_CTX, n_chunks=N_CHUNKS, dataset=str(corpus), kv_precision="f32"
+        f32,
+        text,
+        n_ctx=N_CTX,
+        n_chunks=N_CHUNKS,
+        skip_chunks=skip,
+        dataset=str(corpus),
+        kv_precision="f32",
     )
     return ours, imatrix.read_imatrix(out), f32
 
