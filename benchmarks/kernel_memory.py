@@ -57,69 +57,75 @@ DRIVERS = {
     ("gemv", "Q8_0"): "gemv_legacy",
 }
 
+# what both kinds of process start with: the data, and a way to each kind of kernels,
+# ``kernels[kind, fmt]`` for kind gemm or gemv
+PRELUDE = """
+import json, sys, time, numpy as np
+
+folder = sys.argv[1]
+data = {f: (np.load(f"{folder}/w-{f}.npy"), np.load(f"{folder}/rows-{f}.npy")) for f in FORMATS}
+x = np.load(f"{folder}/x.npy")
+zero = np.array([0], np.int64)
+CALLS = [(k, f, xs) for f in FORMATS for k, xs in (("gemm", x), ("gemv", x[:1]))]
+# each call's output, allocated once, outside the timed calls
+OUT = {(k, f): np.zeros(xs.shape[0] * int(data[f][1][0]), np.float32) for k, f, xs in CALLS}
+
+
+def aot_kernels():
+    sys.path.insert(0, folder)
+    import kernels_aot as m
+    return {(k, f): getattr(m, f"{k}_{f}") for k, f, _ in CALLS}
+
+
+def jit_kernels():
+    from qllama.backends import cpu_gemm, cpu_gemv
+    from qllama.ggml_types import GGMLType
+    family = {"gemm": cpu_gemm.KERNELS, "gemv": cpu_gemv.KERNELS}
+    return {(k, f): family[k][int(GGMLType[f])][1] for k, f, _ in CALLS}
+
+
+def call(kernels, k, f, xs):
+    w, rows = data[f]
+    kernels[k, f](w, zero, rows, xs, True, 1, OUT[k, f], zero)
+    return OUT[k, f]
+"""
+
 # one process: RSS along the way, then the outputs for the bit comparison
 MEASURE = """
-import json, sys, numpy as np
-
 def rss():
     with open("/proc/self/status") as f:
         return int(dict(line.split(":", 1) for line in f)["VmRSS"].split()[0]) / 1024
 
-folder, how = sys.argv[1], sys.argv[2]
-data = {f: (np.load(f"{folder}/w-{f}.npy"), np.load(f"{folder}/rows-{f}.npy")) for f in FORMATS}
-x = np.load(f"{folder}/x.npy")
-zero = np.array([0], np.int64)
+
+how = sys.argv[2]
 marks = {"numpy and the weights": rss()}
-if how == "aot":
-    sys.path.insert(0, folder)
-    import kernels_aot as m
-    kernels = {(k, f): getattr(m, f"{k}_{f}") for k in ("gemm", "gemv") for f in FORMATS}
-else:
-    from qllama.backends import cpu_gemm, cpu_gemv
-    from qllama.ggml_types import GGMLType
-    kernels = {}
-    for f in FORMATS:
-        t = int(GGMLType[f])
-        kernels["gemm", f], kernels["gemv", f] = cpu_gemm.KERNELS[t][1], cpu_gemv.KERNELS[t][1]
+kernels = aot_kernels() if how == "aot" else jit_kernels()
 marks["the kernels imported"] = rss()
-outs = []
-for f in FORMATS:
-    w, rows = data[f]
-    for k, xs in (("gemm", x), ("gemv", x[:1])):
-        out = np.empty(xs.shape[0] * int(rows[0]), np.float32)
-        kernels[k, f](w, zero, rows, xs, True, 1, out, zero)
-        outs.append(out)
+outs = [call(kernels, k, f, xs) for k, f, xs in CALLS]
 marks["after the first calls"] = rss()
 np.save(f"{folder}/out-{how}.npy", np.concatenate(outs))
 print(json.dumps(marks))
 """
 
+# one process with both: the best time of each call
 SPEED = """
-import json, sys, time, numpy as np
-folder, repeats = sys.argv[1], int(sys.argv[2])
-sys.path.insert(0, folder)
-import kernels_aot as m
-from qllama.backends import cpu_gemm, cpu_gemv
-from qllama.ggml_types import GGMLType
-x, zero, best = np.load(f"{folder}/x.npy"), np.array([0], np.int64), {}
+repeats, best = int(sys.argv[2]), {}
+ways = {"aot": aot_kernels(), "jit": jit_kernels()}
 for _ in range(repeats):
-    for f in FORMATS:
-        w, rows = np.load(f"{folder}/w-{f}.npy"), np.load(f"{folder}/rows-{f}.npy")
-        t = int(GGMLType[f])
-        pairs = (("gemm", x, cpu_gemm.KERNELS[t][1]), ("gemv", x[:1], cpu_gemv.KERNELS[t][1]))
-        for k, xs, jit in pairs:
-            out = np.empty(xs.shape[0] * int(rows[0]), np.float32)
-            for how, fn in (("aot", getattr(m, f"{k}_{f}")), ("jit", jit)):
-                s = time.perf_counter()
-                fn(w, zero, rows, xs, True, 1, out, zero)
-                key = f"{k} {f} {how}"
-                best[key] = min(best.get(key, 1e9), time.perf_counter() - s)
+    for k, f, xs in CALLS:
+        for how, kernels in ways.items():
+            s = time.perf_counter()
+            call(kernels, k, f, xs)
+            key = f"{k} {f} {how}"
+            best[key] = min(best.get(key, 1e9), time.perf_counter() - s)
 print(json.dumps(best))
 """
 
 
-def _python(code: str, *args: str) -> str:
-    head = f"FORMATS = {FORMATS!r}\n"
+def _python(code: str, *args: str, prelude: bool = True) -> str:
+    """Run ``code`` in a fresh interpreter (after :data:`PRELUDE`, with ``prelude``); its
+    last line of output."""
+    head = f"FORMATS = {FORMATS!r}\n" + (textwrap.dedent(PRELUDE) if prelude else "")
     done = subprocess.run(
         [sys.executable, "-c", head + textwrap.dedent(code), *args],
         capture_output=True,
@@ -147,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="qllama-aot-") as folder:
         print("compiling ahead of time ...", flush=True)
         exports = "".join(EXPORT.format(kind=k, fmt=f, driver=d) for (k, f), d in DRIVERS.items())
-        _python(BUILD.format(out=folder) + exports + "\ncc.compile()\n")
+        _python(BUILD.format(out=folder) + exports + "\ncc.compile()\n", prelude=False)
         rng = np.random.default_rng(0)
         for f in FORMATS:
             w = rng.standard_normal((args.rows, args.k)).astype(np.float32)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from qllama.imatrix import DEFAULT_CTX
 from qllama.study import (
     Draw,
     FindingSpec,
@@ -19,6 +20,7 @@ from qllama.study import (
     StudyError,
     Variant,
     load_study,
+    measures,
 )
 from qllama.study.cells import Arithmetic, Cell, content_key, product, select
 from qllama.study.declaration import from_dict, with_draws
@@ -116,11 +118,13 @@ def test_the_seed_declaration_loads():
         "Q4_K_M-imatrix",
         "IQ4_XS-imatrix",
     ]
-    # the importance matrices calibrate on text the corpus measure does not score
-    corpus = next(m for m in study.measures if m.name == "corpus")
+    # the importance matrices calibrate on text the corpus measure does not score: they skip
+    # at least the tokens of its windows
+    spec = next(m for m in study.measures if m.name == "corpus")
+    corpus = measures.get("corpus").options(spec.options)
     for v in study.variants[3:]:
-        assert v.imatrix_corpus == "corpus:botchan"
-        assert v.imatrix_skip_chunks * 512 >= corpus.options.get("chunks", 16) * 512
+        assert v.imatrix_corpus == f"corpus:{corpus['corpus']}"
+        assert v.imatrix_skip_chunks * DEFAULT_CTX >= corpus["chunks"] * corpus["n_ctx"]
     assert len(study.prompts) >= 6 and study.prompt("cpu-cache").max_new_tokens == 300
     assert {p.chat for p in study.prompts} == {True, False}  # chat and raw prompts
 

@@ -41,9 +41,14 @@ class Cell:
         return f"{self.prompt}/{self.label}" + (f"~{self.draw}" if self.draw else "")
 
 
+def _within(limit: tuple[str, ...], name: str) -> bool:
+    """Whether a declaration's ``prompts`` or ``variants`` (empty: every one) admit ``name``."""
+    return not limit or name in limit
+
+
 def applies(draw: Draw, variant: str, setting: str) -> bool:
     """Whether ``draw`` reruns the cells of ``variant`` and ``setting``."""
-    return setting in draw.settings and (not draw.variants or variant in draw.variants)
+    return setting in draw.settings and _within(draw.variants, variant)
 
 
 def product(study: Study, *, optional: bool = False) -> list[Cell]:
@@ -54,9 +59,7 @@ def product(study: Study, *, optional: bool = False) -> list[Cell]:
     for p in study.prompts:
         for v in study.variants:
             for s in study.settings:
-                if s.prompts and p.name not in s.prompts:
-                    continue
-                if s.variants and v.name not in s.variants:
+                if not (_within(s.prompts, p.name) and _within(s.variants, v.name)):
                     continue
                 out.append(Cell(p.name, v.name, s.name))
                 out += [
