@@ -1,20 +1,26 @@
-"""Kernels for many tokens (prefill, teacher forcing): each weight block decoded once for a
-tile of 16 tokens, held in the vector lanes, with every accumulator in a register.
+"""Kernels for many tokens (prefill, teacher forcing): each weight block decoded once for
+tiles of 16 tokens, held in the vector lanes, with every integer accumulator in a register.
 
 The activations are laid out once per matmul with the tokens side by side (16 a vector);
 a weight block's codes are decoded into a small stack buffer and each 32-bit group of them
 broadcast from it against the 16 tokens' matching group, so that no horizontal sum is
-needed (:func:`legacy_tile`, :func:`kquant_tile`):
+needed (:func:`legacy_tile`, :func:`kquant_tiles`):
 
 * **32-blocks**, 4 rows x 16 tokens: the stored codes (unsigned) times the tokens' int8
   codes, four products a lane (``vpdpbusd``); minus the centre times the block sums, then
   per row ``(d*y.d)*isum`` (``(isum*d)*y.d`` for Q4_0, ``+ m*y.s`` for the _1 types) added to
   the row's 16 running sums, block after block.
-* **K-quants**, 2 rows x 16 tokens: the codes (signed as ``integer_form``) with their
-  sub-block scales folded in, int16, in the lane order of
-  :data:`qllama.backends.cpu_gemv.LANE_ORDER`; the tokens' int16 codes in pairs of one lane
-  (``vpdpwssd``) into ggml's 8 lane sums per token; each scaled by ``d*y.d`` into 8 float
-  accumulators, the mins term subtracted from a ninth, the lanes added at the end in order.
+* **K-quants**, 2 rows x 16 tokens x up to :data:`MAX_TILES` tiles: each super-block is
+  decoded once for all the tiles of a call: its codes in the order of
+  :data:`qllama.backends.cpu_gemv.LANE_ORDER`, where each 4 bytes are one of ggml's 8 lanes
+  of one 32-sub-block, and the int16 scale of each pair of them. Each token's 4 activation
+  bytes times the 4 codes in pairs (``vpmaddubsw``, exact in int16), times the pair's
+  scales into the lane's int32 sum (``vpdpwssd``): unsigned codes against the signed Q8_K
+  codes, or, for Q3_K and Q6_K (signed codes), the codes against the activations plus 128
+  with each lane started at minus the 128 times its scaled codes that adds. The 8 lane sums
+  are scaled by ``d*y.d`` into 8 float32 accumulators, the mins term subtracted from a
+  ninth, kept per tile in a stack buffer from one super-block to the next, and the lanes
+  added at the end in order.
 
 The float32 operations per (row, token) are those of ggml's generic C, in its order, as in
 :mod:`~qllama.backends.cpu_gemv`: the results are the same bits (``tests/test_cpu_kernels.py``).
@@ -36,14 +42,13 @@ from qllama.backends.cpu_gemv import (
     LANE_ORDER,
     QS_AT,
     SIZES,
-    SUB32,
     TYPE_SIZE,
     WITH_M,
     WITH_MINS,
     _chunk,
-    _k4_scales,
+    _scale_lanes,
+    _scales,
     _stored_codes,
-    _sub_of,
     nibble_codes4,
 )
 from qllama.backends.cpu_ir import (
@@ -62,9 +67,12 @@ from qllama.backends.cpu_ir import (
     dot4,
     halves,
     i64,
+    keep_vpdpwssd,
     load,
     opaque,
+    pair_dots,
     pick,
+    scaled_pairs,
     shuffle,
     splat,
     store,
@@ -75,6 +83,7 @@ from qllama.backends.cpu_simd import (
     KQUANTS,
     LEGACY,
     Q2_K,
+    Q3_K,
     Q4_0,
     Q4_1,
     Q4_K,
@@ -85,7 +94,6 @@ from qllama.backends.cpu_simd import (
     Q8_0,
     VNNI,
     _kquant_run,
-    _kquant_scales,
     _literal,
 )
 
@@ -97,7 +105,8 @@ TILE = 16  # tokens a vector
 
 def _dot_pairs(builder: ir.IRBuilder, acc: Any, a: Any, b: Any) -> Any:
     """``acc`` (<16 x i32>) plus the sums of each 2 adjacent int16 products of ``a`` and
-    ``b`` (<16 x i32> holding 32 int16 each; ``vpdpwssd``): exact."""
+    ``b`` (<16 x i32> holding 32 int16 each; ``vpdpwssd``, kept whole by
+    :func:`~qllama.backends.cpu_ir.keep_vpdpwssd`): exact."""
     if VNNI:
         fn = declare(builder, "llvm.x86.avx512.vpdpwssd.512", vec(I32, 16), [vec(I32, 16)] * 3)
         return builder.call(fn, [acc, a, b])
@@ -259,140 +268,205 @@ def legacy_tile(
 # --- K-quants ----------------------------------------------------------------------------------
 
 
-def _weights_i16(builder: ir.IRBuilder, fmt: int, p: Any, buf: Any, at: int) -> Any:
-    """Decode the super-block at ``p``: its codes (signed, as ``integer_form``) times their
-    sub-block scales, int16, each 64 in :data:`LANE_ORDER`, to ``buf[at:at+512]``. Returns
-    the mins as <16 x i16> (Q2_K: 16; Q4_K/Q5_K: 8, then zeros) or None."""
+def _decode(builder: ir.IRBuilder, fmt: int, p: Any, codes: Any, scales: Any, r: int) -> Any:
+    """Decode the super-block at ``p`` as weight row ``r`` of the tile: its codes, each 64 in
+    :data:`LANE_ORDER`, to ``codes[256r:]`` (as stored, unsigned, where the format has no
+    centre; signed, as ``integer_form``, for Q3_K and Q6_K), and the int16 scale of each pair
+    of codes to ``scales[512r:]``. Returns the mins (<16 x i16>: Q2_K 16, Q4_K/Q5_K 8 then
+    zeros; None without) and, for the signed codes, each of the 8 lanes' ``128 * sum(scale *
+    code)`` (<8 x i32>), which the unsigned activations ``y + 128`` add (else None)."""
     perm = [int(e) for e in LANE_ORDER]
-    mins = None
-    if fmt in SUB32:
-        both = _k4_scales(builder, p)
-        sc = builder.zext(both, vec(I16, 16))
-        mins = builder.zext(pick(builder, both, list(range(8, 16)) * 2), vec(I16, 16))
-    elif fmt == Q6_K:
-        sc = builder.sext(load(builder, p, 192, vec(I8, 16)), vec(I16, 16))
-    elif fmt == Q2_K:
-        b = load(builder, p, 0, vec(I8, 16))
-        sc = builder.zext(builder.and_(b, splat(I8, 16, 15)), vec(I16, 16))
-        mins = builder.zext(builder.lshr(b, splat(I8, 16, 4)), vec(I16, 16))
-    else:  # Q3_K
-        sc = builder.trunc(_kquant_scales(builder, fmt, p)[0], vec(I16, 16))
+    sc, mins = _scales(builder, fmt, p)
+    excess = None
     for c in range(4):
         a, e = (_kquant_run(builder, fmt, p, 2 * c + j) for j in (0, 1))
-        q = builder.sext(shuffle(builder, a, e, perm), vec(I16, 64))
-        scales = pick(builder, sc, [_sub_of(fmt, c, j // 2) for j in range(64)])
-        store(builder, builder.mul(q, scales), buf, at + 128 * c)
-    return mins
+        q = shuffle(builder, a, e, perm)
+        s = _scale_lanes(builder, fmt, sc, c)
+        store(builder, q, codes, 256 * r + 64 * c)
+        store(builder, s, scales, 512 * r + 128 * c)
+        if fmt in CENTRE:  # word m: 128 * the scaled codes of 4m .. 4m+3, lane m % 8
+            part = scaled_pairs(builder, pair_dots(builder, splat(I8, 64, -128), q), s)
+            excess = part if excess is None else builder.add(excess, part)
+    if excess is not None:
+        excess = builder.add(pick(builder, excess, range(8)), pick(builder, excess, range(8, 16)))
+    return mins, excess
+
+
+MAX_TILES = 16  # tiles a call of kquant_tiles takes: each decoded super-block serves them all
 
 
 @intrinsic(prefer_literal=True)
-def kquant_tile(
+def kquant_tiles(
     typingctx: Any,
     raw: Any,
     off: Any,
     rb: Any,
     nb: Any,
-    xw: Any,
-    tile: Any,
+    xq: Any,
+    tile0: Any,
+    tiles: Any,
     bsw: Any,
     dxt: Any,
-    unused: Any,
+    tokens: Any,
     out: Any,
     oo: Any,
     ostride: Any,
-    nt: Any,
     fmt: Any,
     n_rows: Any,
 ) -> Any:
-    """``n_rows`` (1 or 2) weight rows of ``nb`` super-blocks of K-quant ``fmt`` against the
-    16 tokens of tile ``tile`` of the tiled Q8_K activations (:func:`q8k_tiles`): int16
-    pairs ``xw``, the sums for the mins ``bsw`` (int16 pairs: Q2_K the 8 pairs of sums of
-    16, Q4_K/Q5_K the 4 pairs of sums of 32) and d ``dxt`` (float32). Writes as
-    :func:`legacy_tile`."""
-    f = _literal(fmt, KQUANTS, "kquant_tile: fmt")
-    n = _literal(n_rows, (1, 2), "kquant_tile: n_rows")
+    """``n_rows`` (1 or 2) weight rows of ``nb`` super-blocks of K-quant ``fmt`` (the first
+    at byte ``off`` of ``raw``, one every ``rb`` bytes) against the ``tiles`` (at most
+    :data:`MAX_TILES`) tiles of 16 tokens from ``tile0`` of the tiled Q8_K activations
+    (:func:`q8k_tiles`) of ``tokens`` tokens: codes ``xq`` (each 4 of a token one lane of
+    one 32-sub-block; plus 128 for Q3_K and Q6_K), the sums for the mins ``bsw`` (int16
+    pairs: Q2_K the 8 pairs of sums of 16, Q4_K/Q5_K the 4 pairs of sums of 32) and d
+    ``dxt`` (float32). Each super-block is decoded once for all the tiles. Writes row r's
+    sum for token t to ``out[oo + t*ostride + r]``."""
+    f = _literal(fmt, KQUANTS, "kquant_tiles: fmt")
+    n = _literal(n_rows, (1, 2), "kquant_tiles: n_rows")
     if f is None or n is None:
         return None
     ts = TYPE_SIZE[f]
     n_pairs = 8 if f == Q2_K else 4  # pairs of mins
+    signed = f in CENTRE  # signed codes against unsigned activations
+    width = 9 * n  # float32 vectors of state a tile: per row its total and 8 lanes
 
     def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> Any:
-        a = _tile_args(context, builder, sig, args)
-        first = byte_ptr(builder, a["raw"], a["off"])
-        rows = [byte_ptr(builder, first, builder.mul(a["rb"], i64(r))) for r in range(n)]
-        buf = builder.bitcast(alloca_once(builder, ir.ArrayType(I8, 512 * n)), I8.as_pointer())
-        mbuf = builder.bitcast(alloca_once(builder, ir.ArrayType(I8, 32 * n)), I8.as_pointer())
-        wbuf, mins_buf = opaque(builder, buf), opaque(builder, mbuf)  # see cpu_ir.opaque
-        xw = _tile_start(builder, a["xv"], a, 128 * 64)
-        bsw = _tile_start(builder, a["acts"], a, n_pairs * 64)
-        dxt = _tile_start(builder, a["dxt"], a, 64)
+        if VNNI:
+            keep_vpdpwssd(context, builder)
+        raw, off, rb, nb, xq, tile0, tiles, bsw, dxt, tokens, out, oo, ostride = args[:13]
+        raw, xq, bsw, dxt, out = (
+            data_ptr(context, builder, sig.args[i], args[i]) for i in (0, 4, 7, 8, 10)
+        )
+        first = byte_ptr(builder, raw, off)
+        rows = [byte_ptr(builder, first, builder.mul(rb, i64(r))) for r in range(n)]
+        bufs = [alloca_once(builder, ir.ArrayType(I8, size * n)) for size in (256, 512, 32)]
+        cbuf, sbuf, mbuf = (builder.bitcast(b, I8.as_pointer()) for b in bufs)
+        scales, mins_buf = (opaque(builder, b) for b in (sbuf, mbuf))
+        n_tiles = builder.sdiv(builder.add(tokens, i64(TILE - 1)), i64(TILE))
+        state_ty = ir.ArrayType(I8, 64 * width * MAX_TILES)
+        state = builder.bitcast(alloca_once(builder, state_ty), I8.as_pointer())
         zero = ir.Constant(vec(F32, TILE), [ir.Constant(F32, 0.0)] * TILE)
 
-        def super_block(b: Any, state: list[Any]) -> list[Any]:
+        def at_state(p: Any, j: int) -> Any:
+            """Where tile p's state vector j is."""
+            return builder.add(builder.mul(p, i64(64 * width)), i64(64 * j))
+
+        def clear(p: Any, carried: list[Any]) -> list[Any]:
+            for j in range(width):
+                store(builder, zero, state, at_state(p, j))
+            return []
+
+        counted_loop(builder, i64(0), tiles, [], clear)
+
+        def super_block(b: Any, carried: list[Any]) -> list[Any]:
             ps = [byte_ptr(builder, rows[r], builder.mul(b, i64(ts))) for r in range(n)]
+            start = []
             for r in range(n):
-                mins = _weights_i16(builder, f, ps[r], buf, 512 * r)
+                mins, excess = _decode(builder, f, ps[r], cbuf, sbuf, r)
                 if mins is not None:
                     store(builder, mins, mbuf, 32 * r)
-            ints = [[splat(I32, 16, 0)] * 8 for _ in range(n)]
-            xb = byte_ptr(builder, xw, builder.mul(b, i64(128 * 64)))
-            for pair in range(128):
-                xs = load(builder, xb, 64 * pair, vec(I32, 16))
-                lane = (pair % 32) // 2 % 8
-                for r in range(n):
-                    w = broadcast(builder, load(builder, wbuf, 512 * r + 4 * pair, I32), 16)
-                    ints[r][lane] = _dot_pairs(builder, ints[r][lane], xs, w)
-            yd = load(builder, dxt, builder.mul(b, i64(64)), vec(F32, TILE))
-            msums = []
-            if f in WITH_MINS:
-                bb = byte_ptr(builder, bsw, builder.mul(b, i64(n_pairs * 64)))
-                for r in range(n):
-                    msum = splat(I32, 16, 0)
-                    for q in range(n_pairs):
-                        bs = load(builder, bb, 64 * q, vec(I32, 16))
-                        mn = broadcast(builder, load(builder, mins_buf, 32 * r + 4 * q, I32), 16)
-                        msum = _dot_pairs(builder, msum, bs, mn)
-                    msums.append(builder.sitofp(msum, vec(F32, TILE)))
-            new = []
-            for r in range(n):
-                total, lanes = state[9 * r], state[9 * r + 1 : 9 * r + 9]
-                d2 = halves(builder, load(builder, ps[r], D_AT[f], vec(I16, 2)))  # d, dmin
-                d = broadcast(builder, builder.extract_element(d2, ir.Constant(I32, 0)), TILE)
-                dd = builder.fmul(d, yd)
-                if f in WITH_MINS:
-                    dmin = broadcast(
-                        builder, builder.extract_element(d2, ir.Constant(I32, 1)), TILE
-                    )
-                    mterm = builder.fmul(builder.fmul(dmin, yd), msums[r])
-                if f == Q2_K:  # one sum per block
-                    isum = ints[r][0]
-                    for lane in range(1, 8):
-                        isum = builder.add(isum, ints[r][lane])
-                    fi = builder.sitofp(isum, vec(F32, TILE))
-                    total = builder.fadd(total, builder.fsub(builder.fmul(dd, fi), mterm))
-                else:
-                    lanes = [
-                        builder.fadd(
-                            acc, builder.fmul(builder.sitofp(ints[r][lane], vec(F32, TILE)), dd)
-                        )
-                        for lane, acc in enumerate(lanes)
-                    ]
-                    if f in WITH_MINS:
-                        total = builder.fsub(total, mterm)
-                new += [total, *lanes]
-            return new
+                if excess is None:
+                    start.append([splat(I32, 16, 0)] * 8)
+                else:  # start each lane at minus what y + 128 adds
+                    lanes = (builder.extract_element(excess, ir.Constant(I32, j)) for j in range(8))
+                    start.append([broadcast(builder, builder.neg(e), 16) for e in lanes])
+            d2 = [halves(builder, load(builder, p, D_AT[f], vec(I16, 2))) for p in ps]  # d, dmin
+            ds = [
+                [
+                    broadcast(builder, builder.extract_element(h, ir.Constant(I32, j)), TILE)
+                    for j in (0, 1)
+                ]
+                for h in d2
+            ]
 
-        state = counted_loop(builder, i64(0), a["nb"], [zero] * (9 * n), super_block)
-        for r in range(n):
-            total = state[9 * r]
-            if f != Q2_K:
-                for acc in state[9 * r + 1 : 9 * r + 9]:
-                    total = builder.fadd(total, acc)
-            _scatter(builder, total, a["out"], builder.add(a["oo"], i64(r)), a["ostride"], a["nt"])
+            def tile(p: Any, carried: list[Any]) -> list[Any]:
+                at = builder.add(builder.mul(b, n_tiles), builder.add(tile0, p))  # block-major
+                xb = byte_ptr(builder, xq, builder.mul(at, i64(64 * 64)))
+                codes = opaque(builder, cbuf, True)  # broadcast here, not hoisted and spilled
+                ints = [list(s) for s in start]
+                for c, h in ((c, h) for c in range(4) for h in range(2)):
+                    # one scale pair for all 8 lanes of chunk c's half h (see LANE_ORDER)
+                    sc = [
+                        broadcast(
+                            builder, load(builder, scales, 512 * r + 128 * c + 32 * h, I32), 16
+                        )
+                        for r in range(n)
+                    ]
+                    for lane in range(8):  # 4 bytes of each token: one lane of a 32-sub-block
+                        xs = load(builder, xb, 64 * (16 * c + 8 * h + lane), vec(I8, 64))
+                        for r in range(n):
+                            w = load(builder, codes, 256 * r + 64 * c + 32 * h + 4 * lane, I32)
+                            w = builder.bitcast(broadcast(builder, w, 16), vec(I8, 64))
+                            pairs = (
+                                pair_dots(builder, xs, w) if signed else pair_dots(builder, w, xs)
+                            )
+                            pairs = builder.bitcast(pairs, vec(I32, 16))
+                            ints[r][lane] = _dot_pairs(builder, ints[r][lane], pairs, sc[r])
+                yd = load(builder, dxt, builder.mul(at, i64(64)), vec(F32, TILE))
+                msums = []
+                if f in WITH_MINS:
+                    bb = byte_ptr(builder, bsw, builder.mul(at, i64(n_pairs * 64)))
+                    for r in range(n):
+                        msum = splat(I32, 16, 0)
+                        for q in range(n_pairs):
+                            bs = load(builder, bb, 64 * q, vec(I32, 16))
+                            mn = broadcast(
+                                builder, load(builder, mins_buf, 32 * r + 4 * q, I32), 16
+                            )
+                            msum = _dot_pairs(builder, msum, bs, mn)
+                        msums.append(builder.sitofp(msum, vec(F32, TILE)))
+                for r in range(n):
+                    where = [at_state(p, 9 * r + j) for j in range(9)]
+                    total, *lanes = (load(builder, state, w, vec(F32, TILE)) for w in where)
+                    d, dmin = ds[r]
+                    dd = builder.fmul(d, yd)
+                    if f in WITH_MINS:
+                        mterm = builder.fmul(builder.fmul(dmin, yd), msums[r])
+                    if f == Q2_K:  # one sum per block
+                        isum = ints[r][0]
+                        for lane in range(1, 8):
+                            isum = builder.add(isum, ints[r][lane])
+                        fi = builder.sitofp(isum, vec(F32, TILE))
+                        total = builder.fadd(total, builder.fsub(builder.fmul(dd, fi), mterm))
+                    else:
+                        lanes = [
+                            builder.fadd(
+                                acc, builder.fmul(builder.sitofp(ints[r][lane], vec(F32, TILE)), dd)
+                            )
+                            for lane, acc in enumerate(lanes)
+                        ]
+                        if f in WITH_MINS:
+                            total = builder.fsub(total, mterm)
+                    for w, v in zip(where, [total, *lanes], strict=True):
+                        store(builder, v, state, w)
+                return []
+
+            counted_loop(builder, i64(0), tiles, [], tile)
+            return []
+
+        counted_loop(builder, i64(0), nb, [], super_block)
+
+        def write(p: Any, carried: list[Any]) -> list[Any]:
+            t0 = builder.mul(builder.add(tile0, p), i64(TILE))
+            left = builder.sub(tokens, t0)
+            nt = builder.select(builder.icmp_signed("<", left, i64(TILE)), left, i64(TILE))
+            o = builder.add(oo, builder.mul(t0, ostride))
+            for r in range(n):
+                total = load(builder, state, at_state(p, 9 * r), vec(F32, TILE))
+                if f != Q2_K:
+                    for j in range(1, 9):
+                        total = builder.fadd(
+                            total, load(builder, state, at_state(p, 9 * r + j), vec(F32, TILE))
+                        )
+                _scatter(builder, total, out, builder.add(o, i64(r)), ostride, nt)
+            return []
+
+        counted_loop(builder, i64(0), tiles, [], write)
         return context.get_dummy_value()
 
     sig = types.none(
-        raw, off, rb, nb, xw, tile, bsw, dxt, unused, out, oo, ostride, nt, fmt, n_rows
+        raw, off, rb, nb, xq, tile0, tiles, bsw, dxt, tokens, out, oo, ostride, fmt, n_rows
     )
     return sig, codegen
 
@@ -435,32 +509,36 @@ def q8_tiles(x, simd, with_sum, centre):
 
 
 @njit(**INLINE)
-def q8k_tiles(x, pairs_of_32):
-    """The rows of ``x`` (T, K) as Q8_K, tiled for :func:`kquant_tile`: int16 pairs ``xw``,
-    the mins' sums ``bsw`` (pairs of the sums of 32 with ``pairs_of_32``, else of 16) and d
-    ``dxt`` (float32), ``tpad`` tokens a super-block; the padding is zeros."""
+def q8k_tiles(x, pairs_of_32, plus_128):
+    """The rows of ``x`` (T, K) as Q8_K, tiled for :func:`kquant_tiles`: codes ``xq`` (int8;
+    the bytes of ``y + 128`` with ``plus_128``), each 4 of a token one lane of one
+    32-sub-block (:data:`LANE_ORDER`), the mins' sums ``bsw`` (pairs of the sums of 32 with
+    ``pairs_of_32``, else of 16) and d ``dxt`` (float32), super-block-major (a super-block's
+    tiles one after the other, as :func:`kquant_tiles` reads them), ``tpad`` tokens a
+    super-block; the padding is zeros."""
     tokens, k = x.shape
     nb = k // 256
     tpad = (tokens + TILE - 1) // TILE * TILE
-    xq = np.empty(tokens * k, np.int8)
+    tiles = tpad // TILE
+    xs = np.empty(tokens * k, np.int8)
     dx = np.empty((tokens, nb), np.float32)
     bsums = np.empty((tokens, k // 16), np.int32)
     flat = x.reshape(-1)
-    xw = np.zeros(nb * 128 * tpad * 2, np.int16)
+    xq = np.zeros(nb * 64 * tpad * 4, np.int8)
     n_pairs = 4 if pairs_of_32 else 8
     bsw = np.zeros(nb * n_pairs * tpad * 2, np.int16)
     dxt = np.zeros(nb * tpad, np.float32)
+    flip = np.int8(-128) if plus_128 else np.int8(0)  # x ^ 0x80 is x + 128 as unsigned
     for t in prange(tokens):
-        q8k_row(flat, t, k, xq, dx, bsums)
+        q8k_row(flat, t, k, xs, dx, bsums)
         tile, i = t // TILE, t % TILE
         for b in range(nb):
-            at = tile * nb + b  # tile-major: a tile's super-blocks one after the other
-            for n in range(128):
-                c, j = n // 32, 2 * (n % 32)
-                o = ((at * 128 + n) * TILE + i) * 2
-                base = t * k + b * 256 + 64 * c
-                xw[o] = xq[base + LANE_ORDER[j]]
-                xw[o + 1] = xq[base + LANE_ORDER[j + 1]]
+            at = b * tiles + tile  # block-major: a super-block's tiles one after the other
+            for g in range(64):
+                base = t * k + b * 256 + 64 * (g // 16)
+                o = ((at * 64 + g) * TILE + i) * 4
+                for e in range(4):
+                    xq[o + e] = xs[base + LANE_ORDER[4 * (g % 16) + e]] ^ flip
             for q in range(n_pairs):
                 o = ((at * n_pairs + q) * TILE + i) * 2
                 for h in range(2):
@@ -470,12 +548,12 @@ def q8k_tiles(x, pairs_of_32):
                     else:
                         bsw[o + h] = bsums[t, b * 16 + 2 * q + h]
             dxt[at * TILE + i] = dx[t, b]
-    return xw, bsw, dxt, tpad
+    return xq, bsw, dxt, tpad
 
 
 # --- drivers -----------------------------------------------------------------------------------
 
-L2_TILES = 1 << 19  # bytes of tiled activations a thread sweeps per pass over its rows
+L2_TILES = 1 << 21  # bytes of tiled activations a thread sweeps per pass over its rows
 
 
 @njit(**INLINE)
@@ -546,13 +624,14 @@ def gemm_legacy(buf, offs, rows, x, simd, threads, out, outs_at, fmt):
 
 @njit(**INLINE)
 def gemm_kquant(buf, offs, rows, x, simd, threads, out, outs_at, fmt):
-    """As :func:`gemm_legacy`, for K-quant weights, 2 rows a tile."""
+    """As :func:`gemm_legacy`, for K-quant weights: each pair of rows meets the tiles of a
+    pass :data:`MAX_TILES` at a time, every super-block decoded once for them."""
     tokens, k = x.shape
     nb = k // 256
     rb = nb * SIZES[fmt]
-    xw, bsw, dxt, tpad = q8k_tiles(x, fmt == Q4_K or fmt == Q5_K)
+    xq, bsw, dxt, tpad = q8k_tiles(x, fmt == Q4_K or fmt == Q5_K, fmt == Q3_K or fmt == Q6_K)
     tiles = tpad // TILE
-    per_pass = max(1, L2_TILES // (2 * k * TILE))
+    per_pass = max(1, L2_TILES // (k * TILE))
     for c in prange(threads):
         for p0 in range(0, tiles, per_pass):
             p1 = min(tiles, p0 + per_pass)
@@ -561,45 +640,16 @@ def gemm_kquant(buf, offs, rows, x, simd, threads, out, outs_at, fmt):
                 g0, g1 = _chunk(pairs, threads, c)
                 last = n if c == threads - 1 else 2 * g1
                 for r in range(2 * g0, last, 2):
-                    for tt in range(p0, p1):
-                        t0 = tt * TILE
-                        nt = min(TILE, tokens - t0)
-                        o = outs_at[i] + t0 * n + r
+                    w, o = offs[i] + r * rb, outs_at[i] + r
+                    for q0 in range(p0, p1, MAX_TILES):
+                        m = min(p1 - q0, MAX_TILES)
                         if r + 2 <= n:
-                            kquant_tile(
-                                buf,
-                                offs[i] + r * rb,
-                                rb,
-                                nb,
-                                xw,
-                                tt,
-                                bsw,
-                                dxt,
-                                dxt,
-                                out,
-                                o,
-                                n,
-                                nt,
-                                fmt,
-                                2,
+                            kquant_tiles(
+                                buf, w, rb, nb, xq, q0, m, bsw, dxt, tokens, out, o, n, fmt, 2
                             )
                         else:
-                            kquant_tile(
-                                buf,
-                                offs[i] + r * rb,
-                                rb,
-                                nb,
-                                xw,
-                                tt,
-                                bsw,
-                                dxt,
-                                dxt,
-                                out,
-                                o,
-                                n,
-                                nt,
-                                fmt,
-                                1,
+                            kquant_tiles(
+                                buf, w, rb, nb, xq, q0, m, bsw, dxt, tokens, out, o, n, fmt, 1
                             )
 
 

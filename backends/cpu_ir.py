@@ -89,13 +89,24 @@ def store(builder: ir.IRBuilder, value: Any, base: Any, off: Any) -> None:
     builder.store(value, ptr, align=1)
 
 
-def opaque(builder: ir.IRBuilder, ptr: Any) -> Any:
+def opaque(builder: ir.IRBuilder, ptr: Any, here: bool = False) -> Any:
     """``ptr``, hidden from the optimizer (an empty inline asm returns it). Loads through it
     are then real loads: LLVM would otherwise forward a buffer's stored vector into the
     loads that broadcast its 32-bit groups, as register shuffles on the one shuffle port,
-    where a broadcast from memory costs a load."""
+    where a broadcast from memory costs a load. With ``here`` the asm stays where it is
+    emitted, so that loads through it in a loop are not hoisted out of the loop either."""
     fnty = ir.FunctionType(ptr.type, [ptr.type])
-    return builder.asm(fnty, "", "=r,0", [ptr], False)
+    return builder.asm(fnty, "", "=r,0", [ptr], here)
+
+
+def keep_vpdpwssd(context: Any, builder: ir.IRBuilder) -> None:
+    """Have LLVM keep the ``vpdpwssd`` of the function being built whole. Its Intel tunings
+    lack ``fast-dpwssd``, and then it splits each into ``vpmaddwd`` + ``vpaddd``: two
+    instructions where one does, which halves the speed of a loop bound by them. The feature
+    is a tuning: the instructions chosen change, not what they compute."""
+    features = context.codegen()._tm_features  # the function's features replace these
+    attr = f'"target-features"="{features},+fast-dpwssd"'
+    set.add(builder.function.attributes, attr)  # a string attribute, which llvmlite's add refuses
 
 
 def declare(builder: ir.IRBuilder, name: str, ret: ir.Type, args: Sequence[ir.Type]) -> Any:

@@ -107,6 +107,18 @@ def test_odd_shapes(qtype, shape, parallelism):
         agree(fast.matmul(x, fast.prepare(w)), oracle.matmul(x, oracle.prepare(w)))
 
 
+@pytest.mark.parametrize("qtype", LEGACY + KQUANTS)
+@pytest.mark.parametrize("k", [768, 8192])
+def test_many_tiles_and_passes(qtype, k, parallelism):
+    """18 tiles of 16 tokens, the last of 5: more than one call of the K-quant tile kernel
+    (16 tiles a call) and, at k = 8192, more than one pass over the rows (4 tiles a pass);
+    5 rows, so the last pair has one row."""
+    w = random_weight(qtype, 5, k, seed=k)
+    x = hard_activations(16 * 17 + 5, k, seed=k)
+    fast, oracle = backends("ref", parallelism)
+    agree(fast.matmul(x, fast.prepare(w)), oracle.matmul(x, oracle.prepare(w)))
+
+
 @pytest.mark.parametrize("qtype", LEGACY + KQUANTS + TABLES)
 def test_non_finite_activations(qtype, parallelism):
     k = 512
