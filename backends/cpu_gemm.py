@@ -138,7 +138,7 @@ def _scatter(builder: ir.IRBuilder, value: Any, base: Any, index: Any, stride: A
 
 
 def _tile_args(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> dict[str, Any]:
-    """The common arguments of the tile kernels as IR values; ``xv``, ``acts``, ``dxt`` and
+    """:func:`legacy_tile`'s arguments as IR values; ``xv``, ``acts``, ``dxt`` and
     ``sxt`` point at the tile's first block."""
     names = (
         "raw",
@@ -272,7 +272,7 @@ def _decode(builder: ir.IRBuilder, fmt: int, p: Any, codes: Any, scales: Any, r:
     """Decode the super-block at ``p`` as weight row ``r`` of the tile: its codes, each 64 in
     :data:`LANE_ORDER`, to ``codes[256r:]`` (as stored, unsigned, where the format has no
     centre; signed, as ``integer_form``, for Q3_K and Q6_K), and the int16 scale of each pair
-    of codes to ``scales[512r:]``. Returns the mins (<16 x i16>: Q2_K 16, Q4_K/Q5_K 8 then
+    of codes to ``scales[256r:]``. Returns the mins (<16 x i16>: Q2_K 16, Q4_K/Q5_K 8 then
     zeros; None without) and, for the signed codes, each of the 8 lanes' ``128 * sum(scale *
     code)`` (<8 x i32>), which the unsigned activations ``y + 128`` add (else None)."""
     perm = [int(e) for e in LANE_ORDER]
@@ -283,7 +283,7 @@ def _decode(builder: ir.IRBuilder, fmt: int, p: Any, codes: Any, scales: Any, r:
         q = shuffle(builder, a, e, perm)
         s = _scale_lanes(builder, fmt, sc, c)
         store(builder, q, codes, 256 * r + 64 * c)
-        store(builder, s, scales, 512 * r + 128 * c)
+        store(builder, s, scales, 256 * r + 64 * c)
         if fmt in CENTRE:  # word m: 128 * the scaled codes of 4m .. 4m+3, lane m % 8
             part = scaled_pairs(builder, pair_dots(builder, splat(I8, 64, -128), q), s)
             excess = part if excess is None else builder.add(excess, part)
@@ -340,7 +340,7 @@ def kquant_tiles(
         )
         first = byte_ptr(builder, raw, off)
         rows = [byte_ptr(builder, first, builder.mul(rb, i64(r))) for r in range(n)]
-        bufs = [alloca_once(builder, ir.ArrayType(I8, size * n)) for size in (256, 512, 32)]
+        bufs = [alloca_once(builder, ir.ArrayType(I8, size * n)) for size in (256, 256, 32)]
         cbuf, sbuf, mbuf = (builder.bitcast(b, I8.as_pointer()) for b in bufs)
         scales, mins_buf = (opaque(builder, b) for b in (sbuf, mbuf))
         n_tiles = builder.sdiv(builder.add(tokens, i64(TILE - 1)), i64(TILE))
@@ -389,7 +389,7 @@ def kquant_tiles(
                     # one scale pair for all 8 lanes of chunk c's half h (see LANE_ORDER)
                     sc = [
                         broadcast(
-                            builder, load(builder, scales, 512 * r + 128 * c + 32 * h, I32), 16
+                            builder, load(builder, scales, 256 * r + 64 * c + 32 * h, I32), 16
                         )
                         for r in range(n)
                     ]

@@ -167,10 +167,11 @@ def rope_halves(x: Any, cos: Any, sin: Any, *, xp: Any) -> Any:
 ROTATIONS = {RopeLayout.ADJACENT: rope, RopeLayout.HALVES: rope_halves}
 
 
-# exp(x - max) below 2**-110 counts as 0: such a probability is under 2**-110 / 1 of its row's
-# sum, 80 binary orders below float32's resolution of the weighted sum it enters; kept, it and
-# its quotient can be subnormal, and a subnormal operand costs a microcode assist in the
-# attention products (60x slower on x86 BLAS, measured).
+# exp(x - max) below 2**-110 counts as 0: the row's largest term is 1, so such a term is under
+# 2**-110 of the row's sum, 80 binary orders below float32's resolution of the weighted sum it
+# enters. Kept, it or its quotient can be subnormal, and a subnormal operand costs a microcode
+# assist in the attention products (P V 60x slower on x86 BLAS, measured). The quotients of
+# the terms kept stay normal for rows of up to 2**16 positions.
 NEGLIGIBLE = -76.24869  # ln(2**-110)
 
 
