@@ -12,11 +12,11 @@ from typing import Any
 import numpy as np
 import pytest
 from study_support import write_study
-from threadpoolctl import threadpool_info
 
 from qllama.study import Check, FindingSpec, Options, StudyError, View, load_study, run
 from qllama.study.cache import CellCache
 from qllama.study.cells import product
+from qllama.study.worker import environment
 
 DRAW = """
 [[draw]]
@@ -99,7 +99,7 @@ def test_a_draw_runs_in_its_own_environment(local_run):
     }
     assert pools["raw/Q8_0-cpu~haswell"]["openblas"] == "Haswell"
     # the plain cell keeps the host's kernel, which is Haswell's itself on some AVX2 machines
-    host = {p["internal_api"]: p["architecture"] for p in threadpool_info() if "architecture" in p}
+    host = {p["internal_api"]: p["architecture"] for p in environment()["threadpools"]}
     assert pools["raw/Q8_0-cpu"]["openblas"] == host["openblas"]
     assert got["raw/Q8_0-cpu~haswell"]["env"] == {"OPENBLAS_CORETYPE": "Haswell"}
 
