@@ -67,7 +67,6 @@ from qllama.backends.cpu_ir import (
     dot4,
     halves,
     i64,
-    keep_vpdpwssd,
     load,
     opaque,
     pair_dots,
@@ -95,6 +94,7 @@ from qllama.backends.cpu_simd import (
     VNNI,
     _kquant_run,
     _literal,
+    tune,
 )
 
 TILE = 16  # tokens a vector
@@ -106,7 +106,7 @@ TILE = 16  # tokens a vector
 def _dot_pairs(builder: ir.IRBuilder, acc: Any, a: Any, b: Any) -> Any:
     """``acc`` (<16 x i32>) plus the sums of each 2 adjacent int16 products of ``a`` and
     ``b`` (<16 x i32> holding 32 int16 each; ``vpdpwssd``, kept whole by
-    :func:`~qllama.backends.cpu_ir.keep_vpdpwssd`): exact."""
+    :func:`~qllama.backends.cpu_simd.tune`): exact."""
     if VNNI:
         fn = declare(builder, "llvm.x86.avx512.vpdpwssd.512", vec(I32, 16), [vec(I32, 16)] * 3)
         return builder.call(fn, [acc, a, b])
@@ -208,6 +208,7 @@ def legacy_tile(
         return 32 * r + 4 * g
 
     def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> Any:
+        tune(context, builder)
         a = _tile_args(context, builder, sig, args)
         first = byte_ptr(builder, a["raw"], a["off"])
         rows = [byte_ptr(builder, first, builder.mul(a["rb"], i64(r))) for r in range(n)]
@@ -332,8 +333,7 @@ def kquant_tiles(
     width = 9 * n  # float32 vectors of state a tile: per row its total and 8 lanes
 
     def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> Any:
-        if VNNI:
-            keep_vpdpwssd(context, builder)
+        tune(context, builder)
         raw, off, rb, nb, xq, tile0, tiles, bsw, dxt, tokens, out, oo, ostride = args[:13]
         raw, xq, bsw, dxt, out = (
             data_ptr(context, builder, sig.args[i], args[i]) for i in (0, 4, 7, 8, 10)

@@ -88,6 +88,7 @@ from qllama.backends.cpu_simd import (
     _nibbles,
     _reduce_together,
     _table_lookup,
+    tune,
 )
 from qllama.quants import iq4_search
 
@@ -324,6 +325,7 @@ def legacy_rows(
         return None
 
     def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> Any:
+        tune(context, builder)
         rb, nb_v = args[2], args[3]
         first = byte_ptr(builder, data_ptr(context, builder, sig.args[0], args[0]), args[1])
         rows = [byte_ptr(builder, first, builder.mul(rb, i64(r))) for r in range(n)]
@@ -432,6 +434,7 @@ def kquant_row(
     n_mins = 16 if f == Q2_K else 8
 
     def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> Any:
+        tune(context, builder)
         row = byte_ptr(builder, data_ptr(context, builder, sig.args[0], args[0]), args[1])
         x = byte_ptr(builder, data_ptr(context, builder, sig.args[3], args[3]), args[4])
         bsp = byte_ptr(
@@ -538,6 +541,8 @@ def iq4xs_row(
     each sub-block adds ``((d*y.d)*(ls - 32))*isum`` to the row's sum, in order."""
 
     def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> Any:
+        tune(context, builder)
+
         def at(i: int, off: Any, scale: int) -> Any:
             base = data_ptr(context, builder, sig.args[i], args[i])
             return byte_ptr(builder, base, builder.mul(off, i64(scale)))

@@ -32,7 +32,8 @@ I1, I8, I16, I32, I64 = (ir.IntType(n) for n in (1, 8, 16, 32, 64))
 F32 = ir.FloatType()
 
 AVX512 = bool(_FEATURES.get("avx512f") and _FEATURES.get("avx512bw"))
-# AVX2 has the same two instructions on 256 bits: the portable IR below becomes them
+# AVX2 has them on 256 bits. LLVM forms vpmaddwd from the portable IR below, but not the
+# saturating vpmaddubsw (portable IR cannot say it saturates), which is called by name
 AVX2 = bool(_FEATURES.get("avx2"))
 
 
@@ -97,16 +98,6 @@ def opaque(builder: ir.IRBuilder, ptr: Any, here: bool = False) -> Any:
     emitted, so that loads through it in a loop are not hoisted out of the loop either."""
     fnty = ir.FunctionType(ptr.type, [ptr.type])
     return builder.asm(fnty, "", "=r,0", [ptr], here)
-
-
-def keep_vpdpwssd(context: Any, builder: ir.IRBuilder) -> None:
-    """Have LLVM keep the ``vpdpwssd`` of the function being built whole. Its Intel tunings
-    lack ``fast-dpwssd``, and then it splits each into ``vpmaddwd`` + ``vpaddd``: two
-    instructions where one does, which halves the speed of a loop bound by them. The feature
-    is a tuning: the instructions chosen change, not what they compute."""
-    features = context.codegen()._tm_features  # the function's features replace these
-    attr = f'"target-features"="{features},+fast-dpwssd"'
-    set.add(builder.function.attributes, attr)  # a string attribute, which llvmlite's add refuses
 
 
 def declare(builder: ir.IRBuilder, name: str, ret: ir.Type, args: Sequence[ir.Type]) -> Any:
@@ -204,6 +195,17 @@ def _x86(builder: ir.IRBuilder, name: str, ret: ir.Type, *args: Any) -> Any:
     return builder.call(declare(builder, name, ret, [a.type for a in args]), list(args))
 
 
+def _on_halves(builder: ir.IRBuilder, name: str, ret: ir.VectorType, a: Any, b: Any) -> Any:
+    """A 256-bit x86 instruction on the low and the high halves of ``a`` and ``b``, the two
+    results joined into one vector of twice ``ret``'s lanes."""
+    n = a.type.count // 2
+    lo, hi = (
+        _x86(builder, name, ret, pick(builder, a, list(r)), pick(builder, b, list(r)))
+        for r in (range(n), range(n, 2 * n))
+    )
+    return shuffle(builder, lo, hi, list(range(2 * ret.count)))
+
+
 def dot4(builder: ir.IRBuilder, acc: Any, u: Any, s: Any) -> Any:
     """``acc`` (<16 x i32>) plus the sums of each 4 adjacent products of 64 unsigned bytes
     ``u`` by 64 signed bytes ``s`` (``vpdpbusd``): exact, at most 4 * 255 * 128 a lane."""
@@ -223,6 +225,8 @@ def pair_dots(builder: ir.IRBuilder, u: Any, s: Any) -> Any:
     instruction saturates), so that every sum is exact."""
     if AVX512:
         return _x86(builder, "llvm.x86.avx512.pmaddubs.w.512", vec(I16, 32), u, s)
+    if AVX2:
+        return _on_halves(builder, "llvm.x86.avx2.pmadd.ub.sw", vec(I16, 16), u, s)
     prod = builder.mul(builder.zext(u, vec(I16, 64)), builder.sext(s, vec(I16, 64)))
     even, odd = (pick(builder, prod, list(range(c, 64, 2))) for c in range(2))
     return builder.add(even, odd)

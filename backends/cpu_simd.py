@@ -208,6 +208,7 @@ def decode_levels(typingctx: Any, raw: Any, off: Any, q: Any, qo: Any, fmt: Any)
     table = [(int(v) + 128) & 0xFF for v in _LEVELS[f]]
 
     def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> Any:
+        tune(context, builder)
         p = _ptr(context, builder, sig.args[0], args[0], args[1])
         out = _ptr(context, builder, sig.args[2], args[2], args[3])
         idx = _nibbles(builder, _load(builder, p, 0, _vec(I8, 16)))
@@ -290,6 +291,32 @@ HALF = bool(_FEATURES.get("f16c"))
 SSSE3 = bool(_FEATURES.get("ssse3"))
 
 
+def tune(context: Any, builder: ir.IRBuilder) -> None:
+    """Tune the function being built (the one an intrinsic emits into) for these kernels.
+
+    Two LLVM choices cost a kernel several times its speed, and both are features, which change
+    the instructions chosen, never what they compute:
+
+    * AMD tunings (znver*) shuffle 128-bit lanes with SSE4A's ``extrq``/``insertq``, legacy-SSE
+      instructions that stall for about 100 ns each once the upper halves of the ymm
+      registers are in use (measured on a Zen 3 guest: 109 ns against 0.4 ns for ``vpsrlq``),
+      which made a Q4_K decode call 20 times slower: ``-sse4a``;
+    * Intel tunings lack ``fast-dpwssd`` and split each ``vpdpwssd`` into ``vpmaddwd`` +
+      ``vpaddd``, which halves a loop bound by them: ``+fast-dpwssd`` where :data:`VNNI`.
+
+    Idempotent: every intrinsic calls it, and a function may hold several."""
+    features = [f for f in context.codegen()._tm_features.split(",") if f and f != "+sse4a"]
+    if _FEATURES.get("sse4a"):
+        features.append("-sse4a")
+    if VNNI:
+        features.append("+fast-dpwssd")
+    attrs = builder.function.attributes
+    for old in [a for a in attrs if isinstance(a, str) and a.startswith('"target-features"')]:
+        set.discard(attrs, old)
+    # a string attribute, which llvmlite's add refuses (it knows only the enum ones)
+    set.add(attrs, f'"target-features"="{",".join(features)}"')
+
+
 def _vnni(builder: ir.IRBuilder, name: str, acc: Any, a: Any, b: Any) -> Any:
     """``acc`` plus an AVX512-VNNI dot product of ``a`` and ``b`` (any 512-bit vectors)."""
     v16 = _vec(I32, 16)
@@ -318,6 +345,7 @@ def dots(
         return None
 
     def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> Any:
+        tune(context, builder)
         i64 = ir.IntType(64)
         base_u = builder.bitcast(
             _ptr(context, builder, sig.args[0], args[0], args[1]), I8.as_pointer()
@@ -390,6 +418,7 @@ def token_dots(
         return None
 
     def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> Any:
+        tune(context, builder)
         i64 = ir.IntType(64)
         pw = _ptr(context, builder, sig.args[0], args[0], args[1])
         px = builder.bitcast(_ptr(context, builder, sig.args[2], args[2], args[3]), I8.as_pointer())
@@ -421,6 +450,7 @@ def token_wdots(typingctx: Any, w: Any, iw: Any, xv: Any, ix: Any, gs: Any, out:
     int16, its offsets and stride counted in elements."""
 
     def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> Any:
+        tune(context, builder)
         i64 = ir.IntType(64)
         pw = _ptr(context, builder, sig.args[0], args[0], args[1])
         px = _ptr(context, builder, sig.args[2], args[2], args[3])
@@ -513,6 +543,7 @@ def lanes8(typingctx: Any, q: Any, x: Any, ix: Any, scales: Any, out: Any, sub: 
         return None
 
     def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> Any:
+        tune(context, builder)
         zero = ir.Constant(ir.IntType(64), 0)
         pq = _ptr(context, builder, sig.args[0], args[0], zero)
         px = _ptr(context, builder, sig.args[1], args[1], args[2])
@@ -572,6 +603,7 @@ def half_to_float(typingctx: Any, raw: Any, off: Any) -> Any:
     """The fp16 at byte ``off`` of a uint8 array, widened to float32 (exact)."""
 
     def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> Any:
+        tune(context, builder)
         p = _ptr(context, builder, sig.args[0], args[0], args[1])
         if HALF:  # GGUF is little-endian, as numba's hosts
             return builder.fpext(_load(builder, p, 0, ir.HalfType()), ir.FloatType())
@@ -587,6 +619,7 @@ def round_to_half(typingctx: Any, x: Any) -> Any:
     quiet NaN themselves."""
 
     def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> Any:
+        tune(context, builder)
         return builder.fpext(builder.fptrunc(args[0], ir.HalfType()), ir.FloatType())
 
     return types.float32(types.float32), codegen
@@ -597,6 +630,7 @@ def float_bits(typingctx: Any, x: Any) -> Any:
     """The bits of a float32 as int32."""
 
     def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> Any:
+        tune(context, builder)
         return builder.bitcast(args[0], I32)
 
     return types.int32(types.float32), codegen
@@ -607,6 +641,7 @@ def bits_float(typingctx: Any, x: Any) -> Any:
     """The float32 with these int32 bits."""
 
     def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> Any:
+        tune(context, builder)
         return builder.bitcast(args[0], ir.FloatType())
 
     return types.float32(types.int32), codegen
