@@ -10,7 +10,8 @@ builder of such an intrinsic:
 * :func:`counted_loop`: ``for i in range(start, stop, step)`` with loop-carried values;
 * :func:`gather_dwords`: 16 little-endian 32-bit words at 16 byte offsets (``vpgatherdd``);
 * :func:`dot4`, :func:`pair_dots`, :func:`scaled_pairs`: exact integer products, summed four
-  (``vpdpbusd``) or two at a time (``vpmaddubsw``, then ``vpmaddwd`` with integer scales);
+  (``vpdpbusd``; on AVX2 ``vpmaddwd`` on the bytes widened to int16, then the pairs added)
+  or two at a time (``vpmaddubsw``, then ``vpmaddwd`` with integer scales);
 * :func:`halves`: fp16 bit patterns widened to float32, exactly.
 
 Each step uses the x86 instruction where the host has it and portable IR otherwise (LLVM
@@ -195,15 +196,23 @@ def _x86(builder: ir.IRBuilder, name: str, ret: ir.Type, *args: Any) -> Any:
     return builder.call(declare(builder, name, ret, [a.type for a in args]), list(args))
 
 
-def _on_halves(builder: ir.IRBuilder, name: str, ret: ir.VectorType, a: Any, b: Any) -> Any:
-    """A 256-bit x86 instruction on the low and the high halves of ``a`` and ``b``, the two
-    results joined into one vector of twice ``ret``'s lanes."""
-    n = a.type.count // 2
-    lo, hi = (
-        _x86(builder, name, ret, pick(builder, a, list(r)), pick(builder, b, list(r)))
-        for r in (range(n), range(n, 2 * n))
-    )
-    return shuffle(builder, lo, hi, list(range(2 * ret.count)))
+def _by_parts(
+    builder: ir.IRBuilder, name: str, ret: ir.VectorType, width: int, a: Any, b: Any
+) -> Any:
+    """A 256-bit x86 instruction on each ``width`` lanes of ``a`` and ``b``, its results
+    joined in order into one vector."""
+    n = a.type.count
+    outs = [
+        _x86(builder, name, ret, *(pick(builder, v, list(range(i, i + width))) for v in (a, b)))
+        for i in range(0, n, width)
+    ]
+    while len(outs) > 1:
+        m = outs[0].type.count
+        outs = [
+            shuffle(builder, x, y, list(range(2 * m)))
+            for x, y in zip(outs[::2], outs[1::2], strict=True)
+        ]
+    return outs[0]
 
 
 def dot4(builder: ir.IRBuilder, acc: Any, u: Any, s: Any) -> Any:
@@ -213,6 +222,11 @@ def dot4(builder: ir.IRBuilder, acc: Any, u: Any, s: Any) -> Any:
         v16 = vec(I32, 16)
         args = [acc, builder.bitcast(u, v16), builder.bitcast(s, v16)]
         return _x86(builder, "llvm.x86.avx512.vpdpbusd.512", v16, *args)
+    if AVX2:  # the pairs by vpmaddwd on int16 (exact: 2 * 255 * 128 < 2**31), then the quads
+        u16, s16 = builder.zext(u, vec(I16, 64)), builder.sext(s, vec(I16, 64))
+        pairs = _by_parts(builder, "llvm.x86.avx2.pmadd.wd", vec(I32, 8), 16, u16, s16)
+        even, odd = (pick(builder, pairs, list(range(c, 32, 2))) for c in range(2))
+        return builder.add(acc, builder.add(even, odd))
     prod = builder.mul(builder.zext(u, vec(I32, 64)), builder.sext(s, vec(I32, 64)))
     quads = [pick(builder, prod, list(range(c, 64, 4))) for c in range(4)]
     total = builder.add(builder.add(quads[0], quads[1]), builder.add(quads[2], quads[3]))
@@ -226,7 +240,7 @@ def pair_dots(builder: ir.IRBuilder, u: Any, s: Any) -> Any:
     if AVX512:
         return _x86(builder, "llvm.x86.avx512.pmaddubs.w.512", vec(I16, 32), u, s)
     if AVX2:
-        return _on_halves(builder, "llvm.x86.avx2.pmadd.ub.sw", vec(I16, 16), u, s)
+        return _by_parts(builder, "llvm.x86.avx2.pmadd.ub.sw", vec(I16, 16), 32, u, s)
     prod = builder.mul(builder.zext(u, vec(I16, 64)), builder.sext(s, vec(I16, 64)))
     even, odd = (pick(builder, prod, list(range(c, 64, 2))) for c in range(2))
     return builder.add(even, odd)
