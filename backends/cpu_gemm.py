@@ -64,13 +64,15 @@ from qllama.backends.cpu_ir import (
     counted_loop,
     data_ptr,
     declare,
-    dot4,
+    dot4_into,
     halves,
     i64,
     load,
     opaque,
     pair_dots,
     pick,
+    quads,
+    quads_zero,
     scaled_pairs,
     shuffle,
     splat,
@@ -227,13 +229,14 @@ def legacy_tile(
                 for r in range(n):
                     p = byte_ptr(builder, rows[r], builder.mul(b, i64(ts)))
                     store(builder, _stored_codes(builder, f, p), buf, 32 * r)
-            ints = [splat(I32, 16, 0)] * n
+            ints = [quads_zero()] * n
             xb = byte_ptr(builder, xv, builder.mul(b, i64(8 * 64)))
             for g in range(8):
                 xs = load(builder, xb, 64 * g, vec(I8, 64))
                 for r in range(n):
                     w = broadcast(builder, load(builder, wbuf, group_at(r, g), I32), 16)
-                    ints[r] = dot4(builder, ints[r], builder.bitcast(w, vec(I8, 64)), xs)
+                    ints[r] = dot4_into(builder, ints[r], builder.bitcast(w, vec(I8, 64)), xs)
+            ints = [quads(builder, v) for v in ints]
             at = builder.mul(b, i64(64))
             yd = load(builder, dxt, at, vec(F32, TILE))
             cx = load(builder, cxt, at, vec(I32, TILE)) if centre else None

@@ -50,6 +50,7 @@ from qllama.backends.cpu_ir import (
     counted_loop,
     data_ptr,
     dot4,
+    dot4_into,
     fsum_in_order,
     gather_dwords,
     halves,
@@ -58,6 +59,8 @@ from qllama.backends.cpu_ir import (
     pair_dots,
     pick,
     prefetch,
+    quads,
+    quads_zero,
     reduce_add,
     scaled_pairs,
     shuffle,
@@ -202,7 +205,7 @@ def _nibble_sums(builder: ir.IRBuilder, fmt: int, rows: list[Any], x: Any, blk: 
     xb = builder.mul(blk, i64(32))
     xl, xh = (load(builder, x, builder.add(xb, i64(h)), vec(I8, 16)) for h in (0, 16))
     xl, xh = (pick(builder, v16, [n % 16 for n in range(64)]) for v16 in (xl, xh))
-    return dot4(builder, dot4(builder, splat(I32, 16, 0), lo, xl), hi, xh)
+    return quads(builder, dot4_into(builder, dot4_into(builder, quads_zero(), lo, xl), hi, xh))
 
 
 def _legacy_sums(
