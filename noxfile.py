@@ -36,8 +36,12 @@ def tests(session: nox.Session) -> None:
     # plot: the trace's figure; serve, hf, hf-eval and lm-eval: the server and adapter tests;
     # dask: the study's cluster test
     session.install(".[dev,torch,jax,reference,fast,plot,serve,hf,hf-eval,dask]", LM_EVAL)
-    args = session.posargs or ["-m", "not slow"]
-    session.run("pytest", *args)
+    session.run("pytest", *(session.posargs or ["-m", "not slow"]), *PARALLEL)
+
+
+# The tests in one process per CPU, at most 4 (pytest-xdist); the compiled kernels' tests
+# (their xdist_group) in one of them, so that each kernel is compiled once, not once a process.
+PARALLEL = ["-n", "logical", "--maxprocesses", "4", "--dist", "loadgroup"]
 
 
 # qllama.hf is tested at both ends of the transformers range it supports

@@ -16,6 +16,9 @@ from qllama.backends.numpy_cpu import NumpyBackend
 from qllama.errors import BackendError, TensorShapeError, UnsupportedTensorTypeError
 from qllama.ggml_types import GGMLType
 
+# one test process compiles the kernels for this file and test_cpu_kernels.py (noxfile)
+pytestmark = pytest.mark.xdist_group("kernels")
+
 F32 = np.float32
 QUANT_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 WEIGHT_TYPES = [*QUANT_TYPES, "F16", "BF16"]  # the types with ggml vec_dot results in the npz

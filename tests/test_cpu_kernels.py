@@ -22,8 +22,12 @@ from qllama.backends.numpy_cpu import NumpyBackend
 from qllama.errors import BackendError, TensorShapeError
 from qllama.ggml_types import GGMLType
 
-# the oracle's float32 arithmetic overflows on the hard activations, as C does, and warns
-pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+pytestmark = [
+    # the oracle's float32 arithmetic overflows on the hard activations, as C does, and warns
+    pytest.mark.filterwarnings("ignore::RuntimeWarning"),
+    # one test process compiles the kernels for this file and test_backend_numpy.py (noxfile)
+    pytest.mark.xdist_group("kernels"),
+]
 
 F32 = np.float32
 LEGACY = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
