@@ -300,7 +300,7 @@ def tune(context: Any, builder: ir.IRBuilder) -> None:
     * AMD tunings (znver*) shuffle 128-bit lanes with SSE4A's ``extrq``/``insertq``, legacy-SSE
       instructions that stall for about 100 ns each once the upper halves of the ymm
       registers are in use (measured on a Zen 3 guest: 109 ns against 0.4 ns for ``vpsrlq``),
-      which made a Q4_K decode call 20 times slower: ``-sse4a``;
+      which made a Q4_K decode call some 30 times slower: ``-sse4a``;
     * Intel tunings lack ``fast-dpwssd`` and split each ``vpdpwssd`` into ``vpmaddwd`` +
       ``vpaddd``, which halves a loop bound by them: ``+fast-dpwssd`` where :data:`VNNI`.
 
