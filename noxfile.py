@@ -25,6 +25,11 @@ LLAMA_CPP_SERVER = [
 ]
 
 
+# The tests in one process per CPU, at most 4 (pytest-xdist). The kernel tests' two files share
+# one (their xdist_group), which compiles the kernels they test once instead of in each process.
+PARALLEL = ["-n", "logical", "--maxprocesses", "4", "--dist", "loadgroup"]
+
+
 @nox.session
 def tests(session: nox.Session) -> None:
     """The test suite (slow tests excluded; `nox -s tests -- -m slow` runs them).
@@ -36,12 +41,8 @@ def tests(session: nox.Session) -> None:
     # plot: the trace's figure; serve, hf, hf-eval and lm-eval: the server and adapter tests;
     # dask: the study's cluster test
     session.install(".[dev,torch,jax,reference,fast,plot,serve,hf,hf-eval,dask]", LM_EVAL)
-    session.run("pytest", *(session.posargs or ["-m", "not slow"]), *PARALLEL)
-
-
-# The tests in one process per CPU, at most 4 (pytest-xdist); the compiled kernels' tests
-# (their xdist_group) in one of them, so that each kernel is compiled once, not once a process.
-PARALLEL = ["-n", "logical", "--maxprocesses", "4", "--dist", "loadgroup"]
+    # first, so that arguments given after `--` (`-n 0`, say) override them
+    session.run("pytest", *PARALLEL, *(session.posargs or ["-m", "not slow"]))
 
 
 # qllama.hf is tested at both ends of the transformers range it supports
