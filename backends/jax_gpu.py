@@ -1,4 +1,4 @@
-"""jax: the GPU arithmetic, with the dequantize-and-multiply step jit-compiled per format."""
+"""jax: the GPU arithmetic, each product jit-compiled (with its dequantization, per format)."""
 
 from __future__ import annotations
 
@@ -15,10 +15,18 @@ from qllama.errors import BackendError
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
+def _product(x: Any, w: Any) -> Any:
+    return jnp.matmul(x, w.T)
+
+
+# Compiled, the transpose is how the product reads ``w``; run eagerly, it copied the whole
+# weight at every call (F32 SmolLM2's decode: 0.93 s a token eager, 0.39 s compiled).
+_dense_matmul = jax.jit(_product)
+
+
 @partial(jax.jit, static_argnums=(2, 3))
 def _dequantize_matmul(x: Any, fields: dict[str, Any], fmt: Any, shape: tuple[int, int]) -> Any:
-    w = jnp.reshape(fmt.dequantize_fields(fields, xp=jnp), shape)
-    return jnp.matmul(x, w.T)
+    return _product(x, jnp.reshape(fmt.dequantize_fields(fields, xp=jnp), shape))
 
 
 class JaxBackend(ArrayBackend):
@@ -39,5 +47,5 @@ class JaxBackend(ArrayBackend):
 
     def matmul(self, x: Any, w: Blocks | Dense) -> Any:
         if isinstance(w, Dense):
-            return jnp.matmul(x, w.w.T)
+            return _dense_matmul(x, w.w)
         return _dequantize_matmul(x, w.fields, w.fmt, w.tensor.shape)

@@ -638,9 +638,9 @@ def cmd_study(args: argparse.Namespace) -> int:
 
     from qllama.study import Options, load_study, run
     from qllama.study.cells import product, select
-    from qllama.study.declaration import with_draws
+    from qllama.study.declaration import with_draws, with_prompts
 
-    study = with_draws(load_study(args.study), args.draw or [])
+    study = with_prompts(with_draws(load_study(args.study), args.draw or []), args.prompt or [])
     if args.threads is not None:
         from dataclasses import replace
 
@@ -810,6 +810,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--results", default="results", help="the cache of references and cells")
     s.add_argument("--docs", help="where results.md, results.json and plots/ go")
     s.add_argument("--draw", action="append", metavar="NAME", help="switch on an optional draw")
+    s.add_argument(
+        "--prompt",
+        action="append",
+        metavar="NAME",
+        help="only this prompt's references, cells and findings (repeatable)",
+    )
     s.add_argument("--threads", type=int, help="every cell's threads (default: the study's)")
     s.add_argument("--force", action="store_true", help="rerun cells even if cached")
     s.add_argument("--report-only", action="store_true", help="rebuild the report from the cache")

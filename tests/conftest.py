@@ -25,6 +25,18 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Split the kernel tests' xdist group ("kernels") by weight type: numba compiles a type's
+    kernels once, in the process that runs that type's tests, and the types spread over the
+    processes (the noxfile's PARALLEL). pytest-xdist reads the closest mark, this one."""
+    for item in items:
+        mark = item.get_closest_marker("xdist_group")
+        callspec = getattr(item, "callspec", None)
+        qtype = callspec.params.get("qtype") if callspec is not None else None
+        if mark is not None and mark.args == ("kernels",) and qtype is not None:
+            item.add_marker(pytest.mark.xdist_group(f"kernels-{qtype}"))
+
+
 @pytest.fixture(scope="session")
 def ggml_vectors() -> dict[str, np.ndarray]:
     with np.load(DATA / "ggml_vectors.npz") as z:

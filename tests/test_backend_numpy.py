@@ -16,7 +16,8 @@ from qllama.backends.numpy_cpu import NumpyBackend
 from qllama.errors import BackendError, TensorShapeError, UnsupportedTensorTypeError
 from qllama.ggml_types import GGMLType
 
-# one test process compiles the kernels for this file and test_cpu_kernels.py (noxfile)
+# one test process compiles a type's kernels for this file and test_cpu_kernels.py
+# (split by type in conftest.py)
 pytestmark = pytest.mark.xdist_group("kernels")
 
 F32 = np.float32

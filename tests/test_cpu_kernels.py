@@ -25,7 +25,8 @@ from qllama.ggml_types import GGMLType
 pytestmark = [
     # the oracle's float32 arithmetic overflows on the hard activations, as C does, and warns
     pytest.mark.filterwarnings("ignore::RuntimeWarning"),
-    # one test process compiles the kernels for this file and test_backend_numpy.py (noxfile)
+    # one test process compiles a type's kernels for this file and test_backend_numpy.py
+    # (split by type in conftest.py)
     pytest.mark.xdist_group("kernels"),
 ]
 

@@ -15,7 +15,8 @@ import qllama
 from qllama.array_api import to_numpy
 from qllama.model_files import variant
 
-pytestmark = pytest.mark.model
+# one test process computes the module's transformers reference (about 2 minutes)
+pytestmark = [pytest.mark.model, pytest.mark.xdist_group("smollm2-reference")]
 MESSAGES = [{"role": "user", "content": "Explain how a CPU cache works."}]
 NEW_TOKENS = 300
 

@@ -23,7 +23,7 @@ from qllama.study import (
     measures,
 )
 from qllama.study.cells import Arithmetic, Cell, content_key, product, select
-from qllama.study.declaration import from_dict, with_draws
+from qllama.study.declaration import from_dict, with_draws, with_prompts
 
 ROOT = Path(__file__).parent.parent
 
@@ -157,6 +157,20 @@ def test_cells_are_the_product_with_filters_and_draws():
         select(product(study), ["nothing*"])
     with pytest.raises(StudyError, match="no draw named 'nope'"):
         with_draws(study, ["nope"])
+
+
+def test_a_run_on_some_prompts_keeps_the_declarations_other_names():
+    """``--prompt``: the seed study on its original prompt alone still loads, though its jax
+    setting, compare pairs and corpus measure name prompts it leaves out."""
+    study = load_study(ROOT / "experiments" / "seed.toml")
+    one = with_prompts(study, ["raw"])
+    assert [p.name for p in one.prompts] == ["raw"]
+    assert set(one.skipped_prompts) == {p.name for p in study.prompts} - {"raw"}
+    assert {c.prompt for c in product(one)} == {"raw"}
+    assert [c.id for c in product(one)] == [c.id for c in product(study) if c.prompt == "raw"]
+    assert with_prompts(study, []) is study
+    with pytest.raises(StudyError, match="no prompt named 'nope'"):
+        with_prompts(study, ["nope"])
 
 
 def test_the_content_key_follows_the_numbers_not_the_names():

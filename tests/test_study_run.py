@@ -16,6 +16,7 @@ from study_support import write_study
 from qllama.study import Check, FindingSpec, Options, StudyError, View, load_study, run
 from qllama.study.cache import CellCache
 from qllama.study.cells import product
+from qllama.study.declaration import with_prompts
 from qllama.study.worker import environment
 
 DRAW = """
@@ -201,6 +202,35 @@ def test_findings_hold_against_every_draw_and_fail_the_study(local_run, capsys):
     assert "N/A empty: holds on 0/2 prompts; nothing to test on raw, chat" in out
 
     assert run(replace(study, findings=(FindingSpec("x", q8_cpu_error_below(0.0)),)), options) == 1
+
+
+def test_a_run_on_one_prompt_checks_its_findings_and_says_what_it_left_out(
+    local_run, tmp_path, capsys
+):
+    from qllama.cli import main
+
+    folder, study, _ = local_run
+    results = tmp_path / "results"
+    shutil.copytree(folder / "results", results)
+    before = {p.name: p.stat().st_mtime_ns for p in (results / "cells").iterdir()}
+    args = ["study", "run", str(folder / "tiny.toml"), "--executor", "local"]
+    docs = tmp_path / "docs"
+    assert main([*args, "--results", str(results), "--docs", str(docs), "--prompt", "chat"]) == 0
+    # the full run's cells of that prompt are this run's: nothing is computed again
+    assert {p.name: p.stat().st_mtime_ns for p in (results / "cells").iterdir()} == before
+    doc = json.loads((docs / "results.json").read_text())
+    assert set(doc["prompts"]) == {"chat"} and doc["study"]["skipped_prompts"] == ["raw"]
+    md = (docs / "results.md").read_text()
+    assert "**Not run here** (`qllama study run --prompt`): the prompts `raw`" in md
+    assert "## Prompt `raw`" not in md
+    # the findings are checked on the prompts run, and fail the run there
+    capsys.readouterr()
+    options = Options(results=results, report_only=True)
+    held = replace(study, findings=(FindingSpec("holds", q8_cpu_error_below(10.0)),))
+    assert run(with_prompts(held, ["chat"]), options) == 0
+    assert "PASS holds: holds on 1/1 prompts" in capsys.readouterr().out
+    failing = replace(study, findings=(FindingSpec("x", q8_cpu_error_below(0.0)),))
+    assert run(with_prompts(failing, ["chat"]), options) == 1
 
 
 def test_a_check_holds_only_if_it_holds_in_every_draw():

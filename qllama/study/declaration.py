@@ -195,6 +195,9 @@ class Study:
     threads: int = 1
     title: str = ""
     folder: Path = Path(".")
+    # prompts of the declaration that this run leaves out (``with_prompts``); the rest of the
+    # declaration may still name them
+    skipped_prompts: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         check(self)
@@ -262,6 +265,7 @@ def check(study: Study) -> None:
     if study.threads < 1:
         raise StudyError(f"threads must be at least 1, not {study.threads}")
     prompts = {p.name for p in study.prompts}
+    declared = prompts | set(study.skipped_prompts)  # the names the declaration may use
     settings = {s.name for s in study.settings}
     variants = {v.name for v in study.variants}
     for p in study.prompts:
@@ -274,13 +278,13 @@ def check(study: Study) -> None:
     for s in study.settings:
         if s.engine not in ENGINES:
             raise StudyError(f"setting {s.name!r}: engine must be one of {ENGINES}")
-        _known(s.prompts, prompts, f"setting {s.name!r}", "prompt")
+        _known(s.prompts, declared, f"setting {s.name!r}", "prompt")
         _known(s.variants, variants, f"setting {s.name!r}", "variant")
     ref = study.reference
     if ref.kind not in REFERENCE_KINDS:
         raise StudyError(f"reference kind must be one of {REFERENCE_KINDS}, not {ref.kind!r}")
     if ref.kind == "saved":
-        _known(tuple(ref.paths), prompts, "reference paths", "prompt")
+        _known(tuple(ref.paths), declared, "reference paths", "prompt")
         missing = prompts - set(ref.paths)
         if missing:
             raise StudyError(f"a saved reference needs a path for every prompt: {sorted(missing)}")
@@ -301,7 +305,7 @@ def check(study: Study) -> None:
             _known((b,), settings, "cross pair", "setting")
     draws = {d.name for d in study.draws}
     for c in study.compare:
-        _known(c.prompts, prompts, "compare pair", "prompt")
+        _known(c.prompts, declared, "compare pair", "prompt")
         for side in (c.a, c.b):
             label, _, draw = side.partition("~")
             if not any(label == f"{v}-{s}" for v in variants for s in settings):
@@ -326,6 +330,8 @@ def _measure_cells(study: Study) -> None:
     seen: set[tuple[str, str]] = set()
     for m in study.measures:
         for pattern in m.cells:
+            if pattern.partition("/")[0] in study.skipped_prompts:
+                continue  # the cells of a prompt this run leaves out
             if not any(fnmatch.fnmatchcase(c.id, pattern) for c in cells):
                 raise StudyError(
                     f"measure {m.name!r}: cells {pattern!r} matches no cell "
@@ -501,6 +507,18 @@ def load_study(path: str | Path) -> Study:
         return from_dict(doc, folder=path.parent)
     except TypeError as e:
         raise StudyError(f"{path}: {e}") from None
+
+
+def with_prompts(study: Study, names: Sequence[str]) -> Study:
+    """The study on the prompts ``names`` only (none: all of them): their references, cells
+    and findings; the other prompts are recorded as left out (``skipped_prompts``)."""
+    if not names:
+        return study
+    for n in names:
+        study.prompt(n)
+    kept = tuple(p for p in study.prompts if p.name in names)
+    left = tuple(p.name for p in study.prompts if p.name not in names)
+    return replace(study, prompts=kept, skipped_prompts=study.skipped_prompts + left)
 
 
 def with_draws(study: Study, names: Sequence[str]) -> Study:

@@ -36,6 +36,7 @@ def _study_info(plan: Any) -> dict[str, Any]:
         "title": s.title,
         "model": s.model,
         "threads": s.threads,
+        "skipped_prompts": list(s.skipped_prompts),
         "variants": {
             v.name: {"type": v.type, "sha256": plan.variants[v.name].sha256} for v in s.variants
         },
@@ -645,6 +646,13 @@ def tables(data: dict[str, Any], outcomes: Sequence[Any]) -> str:
                 for n, d in study["draws"].items()
             )
             + ".\n"
+        )
+    skipped = study.get("skipped_prompts")
+    if skipped:
+        out.append(
+            "**Not run here** (`qllama study run --prompt`): the prompts "
+            + ", ".join(f"`{n}`" for n in skipped)
+            + "; this report and its findings cover the prompts below only.\n"
         )
     out += summary(data, outcomes)
     for p in data["prompts"]:
