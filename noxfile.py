@@ -1,6 +1,7 @@
 """Sessions: tests, lint, reference, experiments, study-peers, peers, bench, fuzz, hf.
 
-``nox -s tests`` and ``nox -s experiments`` are what CI runs; ``nox -l`` lists everything.
+CI (``.ci/run``) runs ``nox -s tests``, then ``nox -s experiments`` on two of the study's
+prompts; ``nox -l`` lists everything.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ LLAMA_CPP_SERVER = [
 ]
 
 
-# The tests in one process per CPU, at most 4 (pytest-xdist). The kernel tests' two files share
-# one (their xdist_group), which compiles the kernels they test once instead of in each process.
+# The tests in one process per CPU, at most 4 (pytest-xdist). The kernel tests' two files go
+# by weight type (their xdist_group, split in tests/conftest.py): one process compiles a type's
+# kernels, instead of each process all of them.
 PARALLEL = ["-n", "logical", "--maxprocesses", "4", "--dist", "loadgroup"]
 
 

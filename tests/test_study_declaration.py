@@ -160,7 +160,7 @@ def test_cells_are_the_product_with_filters_and_draws():
 
 
 def test_a_run_on_some_prompts_keeps_the_declarations_other_names():
-    """``--prompt``: the seed study on its original prompt alone still loads, though its jax
+    """``--prompt``: the seed study on its raw completion alone still loads, though its jax
     setting, compare pairs and corpus measure name prompts it leaves out."""
     study = load_study(ROOT / "experiments" / "seed.toml")
     one = with_prompts(study, ["raw"])
