@@ -171,6 +171,11 @@ def test_a_run_on_some_prompts_keeps_the_declarations_other_names():
     assert with_prompts(study, []) is study
     with pytest.raises(StudyError, match="no prompt named 'nope'"):
         with_prompts(study, ["nope"])
+    # a pattern whose prompt part is a glob over the prompts left out
+    globbed = tuple(
+        replace(m, cells=("cpu-*/*-cpu",)) if m.name == "layer_trace" else m for m in study.measures
+    )
+    assert product(with_prompts(replace(study, measures=globbed), ["raw"])) == product(one)
 
 
 def test_the_content_key_follows_the_numbers_not_the_names():

@@ -330,8 +330,9 @@ def _measure_cells(study: Study) -> None:
     seen: set[tuple[str, str]] = set()
     for m in study.measures:
         for pattern in m.cells:
-            if pattern.partition("/")[0] in study.skipped_prompts:
-                continue  # the cells of a prompt this run leaves out
+            head = pattern.partition("/")[0]
+            if any(fnmatch.fnmatchcase(p, head) for p in study.skipped_prompts):
+                continue  # it may name cells of a prompt this run leaves out
             if not any(fnmatch.fnmatchcase(c.id, pattern) for c in cells):
                 raise StudyError(
                     f"measure {m.name!r}: cells {pattern!r} matches no cell "

@@ -647,7 +647,7 @@ def tables(data: dict[str, Any], outcomes: Sequence[Any]) -> str:
             )
             + ".\n"
         )
-    skipped = study.get("skipped_prompts")
+    skipped = study["skipped_prompts"]
     if skipped:
         out.append(
             "**Not run here** (`qllama study run --prompt`): the prompts "
