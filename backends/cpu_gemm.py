@@ -52,12 +52,14 @@ from qllama.backends.cpu_gemv import (
     nibble_codes4,
 )
 from qllama.backends.cpu_ir import (
+    AVX512,
     F32,
     I1,
     I8,
     I16,
     I32,
     I64,
+    PAIRS,
     broadcast,
     byte_ptr,
     consts,
@@ -100,6 +102,16 @@ from qllama.backends.cpu_simd import (
 )
 
 TILE = 16  # tokens a vector
+# The K-quant tile's 8 lane sums of 2 rows are 16 vectors of 16 int32: registers with AVX-512's
+# 32, but with 16 (AVX2: each such vector is 2 of them) they are spilled and reloaded at every
+# step, so there the tile sums one lane at a time and adds it into its float lane at once.
+LANES_OUTER = not AVX512
+# The 32-block tile's products on AVX2 without VNNI (PAIRS), for stored codes below 32: each
+# 2 adjacent bytes by vpmaddubsw into int16 (exact below 2 * 31 * 128), those pair sums added
+# in int16 over a run of groups of 4 bytes, then their quads by vpmaddwd with ones: one
+# multiply per group where dot4_into takes two. A run is as long as int16 holds:
+# 8 * 2 * 15 * 128 and 4 * 2 * 31 * 128 are below 2**15. Q8_0's codes (to 255) go by dot4_into.
+RUNS = {Q4_0: 8, Q4_1: 8, Q5_0: 4, Q5_1: 4}
 
 
 # --- IR pieces ---------------------------------------------------------------------------------
@@ -201,6 +213,7 @@ def legacy_tile(
     if f is None or n is None:
         return None
     ts, centre = TYPE_SIZE[f], CENTRE.get(f, 0)
+    run = RUNS.get(f, 0) if PAIRS else 0
     nibbles = n == 4 and f in QS_AT
 
     def group_at(r: int, g: int) -> int:
@@ -229,13 +242,23 @@ def legacy_tile(
                 for r in range(n):
                     p = byte_ptr(builder, rows[r], builder.mul(b, i64(ts)))
                     store(builder, _stored_codes(builder, f, p), buf, 32 * r)
-            ints = [quads_zero()] * n
+            ints = [splat(I32, 16, 0) if run else quads_zero()] * n
+            pairs: list[Any] = [None] * n
             xb = byte_ptr(builder, xv, builder.mul(b, i64(8 * 64)))
             for g in range(8):
                 xs = load(builder, xb, 64 * g, vec(I8, 64))
                 for r in range(n):
                     w = broadcast(builder, load(builder, wbuf, group_at(r, g), I32), 16)
-                    ints[r] = dot4_into(builder, ints[r], builder.bitcast(w, vec(I8, 64)), xs)
+                    w = builder.bitcast(w, vec(I8, 64))
+                    if not run:
+                        ints[r] = dot4_into(builder, ints[r], w, xs)
+                        continue
+                    # int16 pair sums of `run` groups, then their quads (exact: see RUNS)
+                    dots = pair_dots(builder, w, xs)
+                    pairs[r] = dots if g % run == 0 else builder.add(pairs[r], dots)
+                    if g % run == run - 1:
+                        quad = scaled_pairs(builder, pairs[r], splat(I16, 32, 1))
+                        ints[r] = builder.add(ints[r], quad)
             ints = [quads(builder, v) for v in ints]
             at = builder.mul(b, i64(64))
             yd = load(builder, dxt, at, vec(F32, TILE))
@@ -386,28 +409,35 @@ def kquant_tiles(
             def tile(p: Any, carried: list[Any]) -> list[Any]:
                 at = builder.add(builder.mul(b, n_tiles), builder.add(tile0, p))  # block-major
                 xb = byte_ptr(builder, xq, builder.mul(at, i64(64 * 64)))
-                codes = opaque(builder, cbuf, True)  # broadcast here, not hoisted and spilled
-                ints = [list(s) for s in start]
-                for c, h in ((c, h) for c in range(4) for h in range(2)):
-                    # one scale pair for all 8 lanes of chunk c's half h (see LANE_ORDER)
-                    sc = [
+                # broadcast here, not hoisted out of the tile loop and spilled
+                codes = opaque(builder, cbuf, True)
+                scale_at = opaque(builder, sbuf, True) if LANES_OUTER else scales
+
+                def pair_scales(c: int, h: int) -> list[Any]:
+                    """Each row's scale pair for all 8 lanes of chunk c's half h (see
+                    LANE_ORDER)."""
+                    return [
                         broadcast(
-                            builder, load(builder, scales, 256 * r + 64 * c + 32 * h, I32), 16
+                            builder, load(builder, scale_at, 256 * r + 64 * c + 32 * h, I32), 16
                         )
                         for r in range(n)
                     ]
-                    for lane in range(8):  # 4 bytes of each token: one lane of a 32-sub-block
-                        xs = load(builder, xb, 64 * (16 * c + 8 * h + lane), vec(I8, 64))
-                        for r in range(n):
-                            w = load(builder, codes, 256 * r + 64 * c + 32 * h + 4 * lane, I32)
-                            w = builder.bitcast(broadcast(builder, w, 16), vec(I8, 64))
-                            pairs = (
-                                pair_dots(builder, xs, w) if signed else pair_dots(builder, w, xs)
-                            )
-                            pairs = builder.bitcast(pairs, vec(I32, 16))
-                            ints[r][lane] = _dot_pairs(builder, ints[r][lane], pairs, sc[r])
+
+                def step(ints: list[Any], c: int, h: int, lane: int, sc: list[Any]) -> list[Any]:
+                    """Each row's lane sum plus the 4 bytes of each token in lane ``lane``
+                    of chunk c's half h (one lane of a 32-sub-block) times the row's codes."""
+                    xs = load(builder, xb, 64 * (16 * c + 8 * h + lane), vec(I8, 64))
+                    new = []
+                    for r in range(n):
+                        w = load(builder, codes, 256 * r + 64 * c + 32 * h + 4 * lane, I32)
+                        w = builder.bitcast(broadcast(builder, w, 16), vec(I8, 64))
+                        pairs = pair_dots(builder, xs, w) if signed else pair_dots(builder, w, xs)
+                        pairs = builder.bitcast(pairs, vec(I32, 16))
+                        new.append(_dot_pairs(builder, ints[r], pairs, sc[r]))
+                    return new
+
                 yd = load(builder, dxt, builder.mul(at, i64(64)), vec(F32, TILE))
-                msums = []
+                mterms: list[Any] = []
                 if f in WITH_MINS:
                     bb = byte_ptr(builder, bsw, builder.mul(at, i64(n_pairs * 64)))
                     for r in range(n):
@@ -418,31 +448,55 @@ def kquant_tiles(
                                 builder, load(builder, mins_buf, 32 * r + 4 * q, I32), 16
                             )
                             msum = _dot_pairs(builder, msum, bs, mn)
-                        msums.append(builder.sitofp(msum, vec(F32, TILE)))
+                        dmin = ds[r][1]
+                        msum_f = builder.sitofp(msum, vec(F32, TILE))
+                        mterms.append(builder.fmul(builder.fmul(dmin, yd), msum_f))
+                dd = [builder.fmul(ds[r][0], yd) for r in range(n)]
+                halves_in_order = [(c, h) for c in range(4) for h in range(2)]
+                if LANES_OUTER:  # one lane at a time: 2 int accumulators a row
+                    lane_sums: list[list[Any]] = [[] for _ in range(n)]
+                    for lane in range(8):
+                        ints = [start[r][lane] for r in range(n)]
+                        for c, h in halves_in_order:
+                            ints = step(ints, c, h, lane, pair_scales(c, h))
+                        for r in range(n):
+                            if f == Q2_K:  # one sum per block, added up as it goes
+                                sums = lane_sums[r]
+                                lane_sums[r] = [builder.add(sums[0], ints[r]) if sums else ints[r]]
+                            else:  # into its float lane now: fewer live registers
+                                w = at_state(p, 9 * r + 1 + lane)
+                                acc = load(builder, state, w, vec(F32, TILE))
+                                fi = builder.sitofp(ints[r], vec(F32, TILE))
+                                store(builder, builder.fadd(acc, builder.fmul(fi, dd[r])), state, w)
+                else:  # every lane at once: 8 int accumulators a row, each scale loaded once
+                    lane_sums = [list(s) for s in start]
+                    for c, h in halves_in_order:
+                        sc = pair_scales(c, h)
+                        for lane in range(8):
+                            now = [lane_sums[r][lane] for r in range(n)]
+                            for r, v in enumerate(step(now, c, h, lane, sc)):
+                                lane_sums[r][lane] = v
                 for r in range(n):
                     where = [at_state(p, 9 * r + j) for j in range(9)]
-                    total, *lanes = (load(builder, state, w, vec(F32, TILE)) for w in where)
-                    d, dmin = ds[r]
-                    dd = builder.fmul(d, yd)
-                    if f in WITH_MINS:
-                        mterm = builder.fmul(builder.fmul(dmin, yd), msums[r])
+                    total = load(builder, state, where[0], vec(F32, TILE))
                     if f == Q2_K:  # one sum per block
-                        isum = ints[r][0]
-                        for lane in range(1, 8):
-                            isum = builder.add(isum, ints[r][lane])
+                        isum = lane_sums[r][0]
+                        for more in lane_sums[r][1:]:
+                            isum = builder.add(isum, more)
                         fi = builder.sitofp(isum, vec(F32, TILE))
-                        total = builder.fadd(total, builder.fsub(builder.fmul(dd, fi), mterm))
+                        total = builder.fadd(
+                            total, builder.fsub(builder.fmul(dd[r], fi), mterms[r])
+                        )
                     else:
-                        lanes = [
-                            builder.fadd(
-                                acc, builder.fmul(builder.sitofp(ints[r][lane], vec(F32, TILE)), dd)
-                            )
-                            for lane, acc in enumerate(lanes)
-                        ]
+                        if not LANES_OUTER:
+                            for lane in range(8):
+                                acc = load(builder, state, where[1 + lane], vec(F32, TILE))
+                                fi = builder.sitofp(lane_sums[r][lane], vec(F32, TILE))
+                                acc = builder.fadd(acc, builder.fmul(fi, dd[r]))
+                                store(builder, acc, state, where[1 + lane])
                         if f in WITH_MINS:
-                            total = builder.fsub(total, mterm)
-                    for w, v in zip(where, [total, *lanes], strict=True):
-                        store(builder, v, state, w)
+                            total = builder.fsub(total, mterms[r])
+                    store(builder, total, state, where[0])
                 return []
 
             counted_loop(builder, i64(0), tiles, [], tile)

@@ -38,12 +38,14 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from qllama.backends.cpu_ir import (
+    AVX512,
     F32,
     I1,
     I8,
     I16,
     I32,
     I64,
+    PAIRS,
     broadcast,
     byte_ptr,
     consts,
@@ -64,6 +66,8 @@ from qllama.backends.cpu_ir import (
     reduce_add,
     scaled_pairs,
     shuffle,
+    signed_dot4,
+    small_dot4,
     splat,
     store,
     vec,
@@ -143,6 +147,15 @@ def _stored_codes(builder: ir.IRBuilder, fmt: int, p: Any) -> Any:
     return builder.xor(q, splat(I8, 32, 0x80)) if fmt == Q8_0 else q
 
 
+# formats whose stored codes are below 32 (vpmaddubsw takes them exactly: cpu_ir.small_dot4)
+SMALL_CODES = (Q4_0, Q4_1, Q5_0, Q5_1)
+# On AVX2 without VNNI, Q8_0's codes enter the decode loop's products as they are, signed
+# (cpu_ir.signed_dot4, as ggml's AVX2 code does), where AVX512-VNNI takes them as stored
+# plus 128 (vpdpbusd is unsigned by signed) with the centre's 128 times the block sums taken
+# off after: the same integers either way.
+Q8_SIGNED = PAIRS
+Q8_0_CENTRE = 0 if Q8_SIGNED else CENTRE[Q8_0]
+GEMV_CENTRE = CENTRE | {Q8_0: Q8_0_CENTRE}
 QS_AT = {Q4_0: 2, Q4_1: 4, Q5_0: 6, Q5_1: 8, IQ4_NL: 2}  # where a nibble block's 16 qs bytes start
 QH_AT = {Q5_0: 2, Q5_1: 4}  # its 4 bytes of fifth bits
 
@@ -205,6 +218,9 @@ def _nibble_sums(builder: ir.IRBuilder, fmt: int, rows: list[Any], x: Any, blk: 
     xb = builder.mul(blk, i64(32))
     xl, xh = (load(builder, x, builder.add(xb, i64(h)), vec(I8, 16)) for h in (0, 16))
     xl, xh = (pick(builder, v16, [n % 16 for n in range(64)]) for v16 in (xl, xh))
+    if PAIRS and fmt in SMALL_CODES:  # vpmaddubsw, the halves' pair sums added in int16
+        pairs = builder.add(pair_dots(builder, lo, xl), pair_dots(builder, hi, xh))
+        return scaled_pairs(builder, pairs, splat(I16, 32, 1))
     return quads(builder, dot4_into(builder, dot4_into(builder, quads_zero(), lo, xl), hi, xh))
 
 
@@ -232,14 +248,44 @@ def _legacy_sums(
                 continue
             r, b = dot
             blk = builder.add(b0, i64(b))
-            codes = _stored_codes(
-                builder, fmt, byte_ptr(builder, rows[r], builder.mul(blk, i64(ts)))
-            )
+            at = byte_ptr(builder, rows[r], builder.mul(blk, i64(ts)))
+            if fmt == Q8_0 and Q8_SIGNED:
+                codes = load(builder, at, 2, vec(I8, 32))
+            else:
+                codes = _stored_codes(builder, fmt, at)
             parts.append((codes, load(builder, x, builder.mul(blk, i64(32)), vec(I8, 32))))
         u = shuffle(builder, parts[0][0], parts[1][0], list(range(64)))
         xs = shuffle(builder, parts[0][1], parts[1][1], list(range(64)))
-        vecs.append(dot4(builder, splat(I32, 16, 0), u, xs))
+        if fmt == Q8_0 and Q8_SIGNED:
+            dot = signed_dot4
+        else:
+            dot = small_dot4 if fmt in SMALL_CODES else dot4
+        vecs.append(dot(builder, splat(I32, 16, 0), u, xs))
     return _reduce_together(builder, vecs, 8, count)
+
+
+def _block_words(
+    builder: ir.IRBuilder, rows: list[Any], rb: Any, at: Any, ts: int, per_block: list[int]
+) -> Any:
+    """The first 32-bit word (d, and m for the _1 types) of block ``per_block[n]`` of row
+    ``n % R`` for each lane n, from byte ``at`` of each row: one ``vpgatherdd`` where the host
+    has AVX512; else a load each at a constant offset from its row's pointer (AVX2's gather
+    is slow, and LLVM would split the vector of addresses into scalars first)."""
+    n_rows, count = len(rows), len(per_block)
+    if AVX512:
+        row_of = consts(I64, [n % n_rows for n in range(count)])
+        offsets = builder.add(
+            consts(I64, [b * ts for b in per_block]),
+            builder.mul(broadcast(builder, rb, count), row_of),
+        )
+        first = byte_ptr(builder, rows[0], at)
+        return gather_dwords(builder, first, builder.trunc(offsets, vec(I32, count)))
+    starts = [byte_ptr(builder, row, at) for row in rows]
+    words = ir.Constant(vec(I32, count), None)
+    for n, b in enumerate(per_block):
+        word = load(builder, starts[n % n_rows], b * ts, I32)
+        words = builder.insert_element(words, word, ir.Constant(I32, n))
+    return words
 
 
 def _legacy_step(
@@ -258,12 +304,14 @@ def _legacy_step(
     """``blocks`` blocks from ``b0`` of each row (pointers ``rows``): their terms, added to
     the rows' sums ``sums`` (<R x float>) block by block. The R * blocks integer sums are
     reduced together, lane ``R*b + r`` for row r's block ``b0 + b``."""
-    ts, centre, n_rows = TYPE_SIZE[fmt], CENTRE.get(fmt, 0), len(rows)
+    ts, centre, n_rows = TYPE_SIZE[fmt], GEMV_CENTRE.get(fmt, 0), len(rows)
     count = n_rows * blocks
-    ahead = builder.mul(b0, i64(ts))
-    for r in range(n_rows):  # the lines a few steps ahead, so that the row streams at full speed
+    # the same bytes of the next rows (the next group's, one group ahead: the rows of a group
+    # lie one after the other, so their lines come in order)
+    ahead = builder.add(builder.mul(b0, i64(ts)), builder.mul(rb, i64(n_rows)))
+    for r in range(n_rows):
         for line in range(0, blocks * ts, 64):
-            prefetch(builder, rows[r], builder.add(ahead, i64(PREFETCH + line)))
+            prefetch(builder, rows[r], builder.add(ahead, i64(line)))
     isum = _legacy_sums(builder, fmt, rows, x, b0, blocks)  # (R * blocks,) i32
     per_block = [n // n_rows for n in range(count)]  # lane -> block
 
@@ -273,12 +321,7 @@ def _legacy_step(
 
     if centre:
         isum = builder.sub(isum, by_block(cxp, I32))
-    offsets = builder.add(
-        consts(I64, [b * ts for b in per_block]),
-        builder.mul(broadcast(builder, rb, count), consts(I64, [n % n_rows for n in range(count)])),
-    )
-    first = byte_ptr(builder, rows[0], builder.mul(b0, i64(ts)))
-    words = gather_dwords(builder, first, builder.trunc(offsets, vec(I32, count)))
+    words = _block_words(builder, rows, rb, builder.mul(b0, i64(ts)), ts, per_block)
     d = halves(builder, builder.trunc(words, vec(I16, count)))
     fi = builder.sitofp(isum, vec(F32, count))
     yd = by_block(ydp, F32)
@@ -699,7 +742,8 @@ def gemv_legacy(buf, offs, rows, x, simd, threads, out, outs_at, fmt):
     nb = k // 32
     rb = nb * SIZES[fmt]
     with_m = fmt == Q4_1 or fmt == Q5_1
-    centre = 8 if fmt == Q4_0 else 16 if fmt == Q5_0 else 128 if fmt == Q8_0 or fmt == IQ4_NL else 0
+    centre = 8 if fmt == Q4_0 else 16 if fmt == Q5_0 else 128 if fmt == IQ4_NL else 0
+    centre = Q8_0_CENTRE if fmt == Q8_0 else centre
     qx, dx, sx, cx = q8_activations(x, simd, with_m, centre)
     for c in prange(threads):
         for i in range(offs.shape[0]):
