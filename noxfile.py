@@ -160,7 +160,9 @@ def bench(session: nox.Session) -> None:
     "At scale" (~20 min more: 135M and a 1B-shaped synthetic llama written once into the
     cache, decode time against context length; `-- --scale-3b` adds a 3B shape, ~15 min more;
     `-- --no-scale` skips it, `-- --only scale` runs it alone). Run it on a quiet machine: the
-    report records the load average. `-- --quick` or `-- --only TEXT` for less.
+    report records the load average. `-- --quick` or `-- --only TEXT` for less. `-- --isa avx2
+    --only scale --out docs/bench-avx2.md` measures both sides built for AVX2 on an AVX-512
+    host (benchmarks/isa.py; builds llama.cpp's libraries for AVX2 once, ~15 min).
     """
     session.install(TORCH, *REFERENCE)
     session.install(".[torch,jax,fast,reference,serve]", "openai>=1.40", "psutil")

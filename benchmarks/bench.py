@@ -13,6 +13,7 @@ report records the load average before and after. Then the section "At scale"
 (benchmarks/scale.py): the CPU arithmetic against llama.cpp on 135M, 1B (and, with
 ``--scale-3b``, 3B) llamas, with GB/s beside the machine's copy bandwidth, a scaling table and
 decode time against context length; ``--only scale`` runs it alone, ``--no-scale`` skips it.
+``--isa avx2`` builds both sides for AVX2 on an AVX-512 host (benchmarks/isa.py).
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import scale  # noqa: E402  (beside this file)
+import isa  # noqa: E402  (beside this file)
+import scale  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 MESSAGES = [{"role": "user", "content": "Explain how a CPU cache works."}]
@@ -276,6 +278,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--serve-requests", type=int, default=50, help="per client, serve_load.py")
     p.add_argument("--no-serve", action="store_true", help="skip the serving load test")
+    p.add_argument(
+        "--isa",
+        choices=isa.ISAS,
+        help="build both sides for this instruction set (AVX2 on an AVX-512 host: isa.py)",
+    )
     p.add_argument("--worker", help=argparse.SUPPRESS)
     scale.add_arguments(p)
     return p.parse_args(argv)
@@ -294,6 +301,11 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.quick:
         args.repeats, args.decode_steps = 1, 16
+    if args.isa:
+        print(f"llama.cpp for {args.isa}: building or loading from the cache ...", flush=True)
+        args.llama_bin = isa.llama_bin(args.isa)
+        # every worker inherits it (scale.py's too: it imports this file as another module)
+        os.environ.update(isa.environment(args.isa, args.llama_bin))
     started = datetime.datetime.now(datetime.timezone.utc)
     load_before = os.getloadavg() if hasattr(os, "getloadavg") else None
     paths = {ft: str(variant(MODEL, ft)) for ft in FILES}
@@ -389,6 +401,7 @@ def main(argv: list[str] | None = None) -> int:
         "observer": observer,
         "date": started.strftime("%Y-%m-%d %H:%M UTC"),
         "machine": machine(),
+        "isa": args.isa,
         "load_before": load_before,
         "load_after": os.getloadavg() if hasattr(os, "getloadavg") else None,
         "versions": {**versions(sys.executable), "llama-cpp-python": llama_version or "-"},

@@ -249,6 +249,14 @@ def write_report(
         "Versions: " + ", ".join(f"{k} {val}" for k, val in v.items()) + ".",
         "",
     ]
+    if info.get("isa"):
+        lines += [
+            f"**Instruction set: {info['isa'].upper()}** (`--isa {info['isa']}`): qllama's "
+            "kernels compiled for this CPU without its AVX-512 features, llama.cpp built "
+            "without AVX-512 (benchmarks/isa.py): what an AVX2-only build does on this "
+            "hardware.",
+            "",
+        ]
     if info["tokens"]:  # the SmolLM2 section ran (not `--only scale`)
         lines += smollm2_md(table, info, outcomes)
     if info.get("scale"):

@@ -420,6 +420,16 @@ def markdown(s: dict[str, Any]) -> list[str]:
         "after generating / at the end (after teacher forcing; llama.cpp: its two runs).",
         "",
     ]
+    ran = sorted(
+        {
+            f"{who} {r[key]['isa']}"
+            for r in s["rows"].values()
+            for who, key in (("qllama", "qllama"), ("llama.cpp", "llama"))
+            if r.get(key) and r[key].get("isa")
+        }
+    )
+    if ran:
+        out += [f"Instructions the workers reported: {', '.join(ran)}.", ""]
     if s.get("layers"):
         out += [
             f"**Reduced run**: the synthetic shapes with {s['layers']} layers (`--scale-layers`); "

@@ -87,6 +87,7 @@ def run_qllama(job: dict) -> dict:
     from qllama.array_api import to_numpy  # waits for the device, copies to the host
 
     options = dict(job["options"])
+    isa = None  # the compiled kernels' instructions, where they run
     if job["backend"] == "numpy" and options.get("kernels", "numba") == "numba":
         import numba
 
@@ -94,6 +95,7 @@ def run_qllama(job: dict) -> dict:
 
         numba.set_num_threads(job["threads"])
         options.setdefault("threads", job["threads"])
+        isa = kernel_isa()
     after_import = memory_mb()["rss_mb"]
     ids, n = job["ids"], len(job["ids"])
     t = time.perf_counter()
@@ -127,11 +129,21 @@ def run_qllama(job: dict) -> dict:
         "decode_runs": rates,
         "import_rss_mb": after_import - before_import,
         "generate_peak_rss_mb": generate_peak,
+        "isa": isa,
         **memory_mb(),
     }
     if job.get("profile"):
         result["profile"] = profile_qllama(model, ids, job)
     return result
+
+
+def kernel_isa() -> str:
+    """The instructions qllama's compiled kernels are built for in this process."""
+    from qllama.backends import cpu_ir, cpu_simd
+
+    if cpu_ir.AVX512:
+        return "AVX-512" + (" VNNI" if cpu_simd.VNNI else "")
+    return "AVX2" if cpu_ir.AVX2 else "portable"
 
 
 def profile_qllama(model: Any, ids: list[int], job: dict) -> dict:
@@ -298,6 +310,7 @@ def run_llama_cpp(job: dict) -> dict:
         "first_call_s": first,
         "pp_tok_s": len(ids) / statistics.median(pp_times),
         "versions": {"llama-cpp-python": llama_cpp.__version__},
+        "isa": "AVX-512" if b"AVX512 = 1" in llama_cpp.llama_print_system_info() else "AVX2",
     }
     if not job["logits_all"]:
 

@@ -18,6 +18,7 @@ Used by ``nox -s peers`` and ``nox -s bench``::
     python tools/llama_cpp_build.py flags     # the cmake flags for this CPU
     python tools/llama_cpp_build.py wheel     # build (once) and print the wheel's path
     python tools/llama_cpp_build.py tools     # build (once) and print the tools' bin folder
+    python tools/llama_cpp_build.py tools --isa avx2   # the same without AVX-512
     python tools/llama_cpp_build.py source    # unpack (once) and print vendor/llama.cpp
 """
 
@@ -41,8 +42,12 @@ PACKAGE = f"llama-cpp-python=={VERSION}"
 TOOLS = ("llama-quantize", "llama-imatrix", "llama-perplexity", "llama-server")
 
 
-def cpu_flags(cpuinfo: str | None = None) -> list[str]:
-    """The cmake flags for this CPU: no native build, no AMX, AVX2/AVX-512 where present."""
+def cpu_flags(cpuinfo: str | None = None, isa: str | None = None) -> list[str]:
+    """The cmake flags for this CPU: no native build, no AMX, AVX2/AVX-512 where present;
+    with ``isa="avx2"``, AVX-512 off even where present (an AVX2 build on an AVX-512 host,
+    to compare with qllama's kernels compiled for AVX2 there: benchmarks/isa.py)."""
+    if isa not in (None, "avx2"):
+        raise ValueError(f"unknown instruction set {isa!r} (known: avx2)")
     flags = ["-DGGML_NATIVE=OFF", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF"]
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return flags
@@ -56,6 +61,8 @@ def cpu_flags(cpuinfo: str | None = None) -> list[str]:
         if line.startswith("flags"):
             have.update(line.partition(":")[2].split())
             break
+    if isa == "avx2":
+        have.discard("avx512f")
     for flag, option in (
         ("avx", "GGML_AVX"),
         ("avx2", "GGML_AVX2"),
@@ -185,8 +192,9 @@ def tools(flags: list[str] | None = None) -> Path:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("what", choices=["flags", "wheel", "tools", "source", "key"])
+    parser.add_argument("--isa", choices=["avx2"], help="build for AVX2 on an AVX-512 host")
     args = parser.parse_args(argv)
-    flags = cpu_flags()
+    flags = cpu_flags(isa=args.isa)
     out = {
         "flags": lambda: " ".join(flags),
         "key": lambda: build_key(flags),
