@@ -182,6 +182,39 @@ def summarize(v: TokenValues) -> KLStats:
     )
 
 
+def rounding_spread(
+    a: np.ndarray, b: np.ndarray, *, draws: int = 200, seed: int = 0
+) -> dict[str, float]:
+    """How far each KL divergence line (``mean``, ``max``, the percentiles, ``min``) moves
+    when the arithmetic rounds otherwise: the yardstick for comparing two tools' lines.
+
+    ``a`` and ``b`` are per-position values (e.g. :attr:`TokenValues.kld`) of two runs of one
+    model on the same positions whose arithmetics differ only in rounding (llama.cpp with and
+    without flash attention; qllama's ``kv_precision="f16-flash"`` and ``"f16"``). Under the
+    CPU arithmetic such a difference flips some Q8 activation integers and moves a position's
+    value by as much as quantization does, so a line differs between the two by what the
+    rounding does to the few positions it rests on. Returned, for each line, is the root mean
+    square of ``line(b*) - line(a*)`` over ``draws`` resamples of the positions with
+    replacement (the same positions for both: a paired bootstrap), which holds both the
+    difference and how much it depends on which positions happen to lie near the line.
+    The maximum and the minimum rest on one position each: no resampling bounds them
+    (docs/perplexity.md measures this against llama.cpp's own two attention paths)."""
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    if a.shape != b.shape or a.ndim != 1 or a.size == 0:
+        raise ValueError(f"per-position values of one shape needed: {a.shape} and {b.shape}")
+    rng = np.random.default_rng(seed)
+
+    def lines(x: np.ndarray) -> dict[str, float]:
+        return {"mean": float(x.mean()), **_spread(x, KLD_PERCENTILES)}
+
+    moved = []
+    for _ in range(draws):
+        at = rng.integers(0, a.size, a.size)
+        la, lb = lines(a[at]), lines(b[at])
+        moved.append({k: lb[k] - la[k] for k in la})
+    return {k: float(np.sqrt(np.mean([m[k] ** 2 for m in moved]))) for k in moved[0]}
+
+
 def kl_stats(ref_logits: np.ndarray, test_logits: np.ndarray, tokens: np.ndarray) -> KLStats:
     """Compare ``test`` with ``ref`` at positions whose next tokens are ``tokens``.
 

@@ -58,3 +58,45 @@ def test_format_has_llama_perplexity_sections():
         "Same top p",
     ):
         assert line in text
+
+
+def test_rounding_spread_is_zero_without_rounding_differences():
+    a = np.random.default_rng(0).exponential(0.004, 1000)
+    spread = metrics.rounding_spread(a, a.copy())
+    assert set(spread) == {"mean", "max", "median", "min"} | {
+        f"{f:g}%" for f in metrics.KLD_PERCENTILES if f != 50
+    }
+    assert all(v == 0.0 for v in spread.values())
+
+
+@settings(deadline=None, max_examples=20)
+@given(st.integers(0, 2**31), st.floats(1e-4, 1e-1))
+def test_rounding_spread_of_the_mean(seed, scale):
+    """The mean's line moves by mean(d) over the resampled positions: its root mean square
+    over the resamples is sqrt(mean(d)^2 + var(d) / n) in expectation; over 400 of them the
+    estimate is within a few of its standard errors."""
+    rng = np.random.default_rng(seed)
+    a = rng.exponential(0.004, 500)
+    d = (rng.standard_normal(500) + 0.5) * scale * a
+    got = metrics.rounding_spread(a, a + d, draws=400, seed=seed)["mean"]
+    want = np.sqrt(d.mean() ** 2 + d.var() / d.size)
+    # a mean square over 400 draws: relative sd at most sqrt(2/400) = 7% (chi-square)
+    assert abs(got * got / (want * want) - 1) < 5 * np.sqrt(2 / 400)
+
+
+def test_rounding_spread_of_a_percentile_follows_the_values_near_it():
+    """Values that differ only in the bottom tenth, by less than their gaps to the values
+    above, leave the median and the upper percentiles where they are."""
+    a = np.linspace(0.0, 1.0, 1001)
+    b = a.copy()
+    b[:100] += 1e-4  # only the bottom tenth differs
+    spread = metrics.rounding_spread(a, b)
+    assert spread["median"] == spread["90%"] == spread["max"] == 0.0
+    assert 0.0 < spread["5%"] < 2e-4 and 0.0 < spread["min"] < 2e-4
+
+
+def test_rounding_spread_refuses_values_of_other_shapes():
+    import pytest
+
+    with pytest.raises(ValueError, match="one shape"):
+        metrics.rounding_spread(np.zeros(3), np.zeros(4))

@@ -2,10 +2,23 @@
 
 llama-perplexity (built from the vendored source, ``--llama-bin``) scores SmolLM2's F32 file
 over the Botchan corpus at n_ctx 512 and writes its base; then scores Q8_0 and Q4_K_M against
-it. qllama reads that base, scores the same windows with the CPU arithmetic as llama.cpp
-computes it (``perplexity.LLAMA_CPP_CPU``), and must agree: perplexity to 1e-4 on F32 and 0.1%
-on the quantized files, the KL divergence statistics to two significant digits. Then
-llama-perplexity reads a base qllama wrote.
+it, with flash attention (its default) and without. qllama reads that base, scores the same
+windows with the CPU arithmetic as llama.cpp computes it (``perplexity.LLAMA_CPP_CPU``), and
+must agree: perplexity to 1e-4 on F32 and 0.1% on the quantized files, and each KL divergence
+line to two significant digits or within its rounding spread. Then llama-perplexity reads a
+base qllama wrote.
+
+The rounding spread (:func:`qllama.metrics.rounding_spread`): llama.cpp's own two attention
+paths, which differ only in rounding, give KL lines that differ in the second digit (whole
+corpus, Q8_0: maximum 0.11 and 0.30, 99% 0.017 and 0.016, 10% 0.00094 and 0.00092;
+docs/perplexity.md). A percentile rests on the few positions near it, and each arithmetic
+rounds those differently, so two digits there are a draw, not a property of the arithmetic.
+qllama runs each quantized file twice, as llama.cpp with and without flash attention
+(``kv_precision`` ``f16-flash`` and ``f16``), and a paired bootstrap of the two runs'
+per-position values gives each line's spread: a line must agree to two digits or lie within
+4 spreads of llama.cpp's, and llama.cpp's own line without flash attention must lie within 4
+spreads of its default (the yardstick checked on the tool it stands in for). The maximum and
+the minimum, one position each, are printed by both and compared by neither test.
 
 Why the quantized targets need the whole corpus: under the CPU arithmetic a rounding
 difference anywhere (a float32 sum in another order) moves some activation's Q8 integer by
@@ -102,24 +115,56 @@ def llama_runs(llama_bin: Path, text_file: Path, tmp_path_factory: pytest.TempPa
     out = llama_perplexity(llama_bin, "-m", f32, "-f", text_file, "--kl-divergence-base", base)
     runs = {"F32": {"ppl": final_ppl(out)}}
     for ft in QUANTIZED:
-        out = llama_perplexity(
-            llama_bin, "-m", variant(MODEL, ft), "--kl-divergence-base", base, "--kl-divergence"
-        )
-        stats = statistics(out)
+        args = ("-m", variant(MODEL, ft), "--kl-divergence-base", base, "--kl-divergence")
+        stats = statistics(llama_perplexity(llama_bin, *args))
         runs[ft] = {"ppl": stats["Mean PPL(Q)                   "][0], "stats": stats}
+        runs[ft]["fa_off"] = statistics(llama_perplexity(llama_bin, *args, "-fa", "off"))
     return base, runs
+
+
+# qllama's stand-in for llama.cpp without flash attention: K, V, Q and P rounded to f16
+FA_OFF = {**perplexity.LLAMA_CPP_CPU, "kv_precision": "f16"}
 
 
 @pytest.fixture(scope="module")
 def qllama_runs(llama_runs):
-    """qllama on the base's windows, the CPU arithmetic as llama.cpp computes it."""
+    """qllama on the base's windows, the CPU arithmetic as llama.cpp computes it; the
+    quantized files also as llama.cpp without flash attention (``ft + " fa off"``)."""
     base = kld_base.BaseFile.open(llama_runs[0])
     runs = {}
-    for ft in ("F32", *QUANTIZED):
-        model = load(variant(MODEL, ft), n_ctx=N_CTX, **perplexity.LLAMA_CPP_CPU)
+    for ft, options in [
+        ("F32", perplexity.LLAMA_CPP_CPU),
+        *((q, perplexity.LLAMA_CPP_CPU) for q in QUANTIZED),
+        *((f"{q} fa off", FA_OFF) for q in QUANTIZED),
+    ]:
+        model = load(variant(MODEL, ft.split()[0]), n_ctx=N_CTX, **options)
         wins = perplexity.windows_of_base(base, model.tokenizer)
         runs[ft] = perplexity.run(perplexity.qllama_scorer(model), wins, base=base)
     return runs
+
+
+def spread_key(label: str) -> str:
+    """The :func:`qllama.metrics.rounding_spread` key of a KLD line's label."""
+    head = label.split()[0]
+    names = {"Mean": "mean", "Maximum": "max", "Median": "median", "Minimum": "min"}
+    return names.get(head) or f"{float(head.rstrip('%')):g}%"
+
+
+# the maximum and the minimum are one position each: llama.cpp's own two attention paths
+# give a Q8_0 maximum of 0.11 and 0.30 over the whole corpus
+ONE_POSITION = ("Maximum KLD", "Minimum KLD")
+
+
+def off_lines(ours: dict, theirs: dict, spread: dict[str, float]) -> dict:
+    """The KLD lines (but the maximum and minimum) that agree neither to two digits nor
+    within 4 rounding spreads."""
+    kld = [label for label in theirs if label.endswith("KLD") and label not in ONE_POSITION]
+    return {
+        label: (ours[label][0], theirs[label][0], spread[spread_key(label)])
+        for label in kld
+        if not two_digits(ours[label][0], theirs[label][0])
+        and abs(ours[label][0] - theirs[label][0]) > 4 * spread[spread_key(label)]
+    }
 
 
 def test_same_windows_from_the_same_text(llama_runs, text_file: Path):
@@ -141,13 +186,32 @@ def test_quantized_perplexity_agrees_to_a_thousandth(llama_runs, qllama_runs, ft
     assert abs(ours / theirs - 1) <= 1e-3, (ft, ours, theirs)
 
 
+@pytest.fixture(scope="module")
+def spreads(qllama_runs) -> dict[str, dict[str, float]]:
+    """Each quantized file's rounding spread of every KL line, from qllama's two runs."""
+    return {
+        ft: metrics.rounding_spread(
+            qllama_runs[ft].token_values().kld, qllama_runs[f"{ft} fa off"].token_values().kld
+        )
+        for ft in QUANTIZED
+    }
+
+
 @pytest.mark.parametrize("ft", QUANTIZED)
-def test_kl_statistics_agree_to_two_significant_digits(llama_runs, qllama_runs, ft: str):
+def test_kl_statistics_agree_within_rounding(llama_runs, qllama_runs, spreads, ft: str):
     theirs = llama_runs[1][ft]["stats"]
     ours = statistics(metrics.format_kl_stats(qllama_runs[ft].kl()))
     assert set(ours) == set(theirs)  # the same lines
-    kld = [label for label in theirs if label.endswith("KLD")]
-    off = {k: (ours[k][0], theirs[k][0]) for k in kld if not two_digits(ours[k][0], theirs[k][0])}
+    off = off_lines(ours, theirs, spreads[ft])
+    assert not off, off
+
+
+@pytest.mark.parametrize("ft", QUANTIZED)
+def test_the_rounding_spread_holds_llama_cpp_against_itself(llama_runs, spreads, ft: str):
+    """llama.cpp without flash attention against its default: the yardstick of the test
+    above, checked on the tool whose rounding it stands for."""
+    runs = llama_runs[1][ft]
+    off = off_lines(runs["fa_off"], runs["stats"], spreads[ft])
     assert not off, off
 
 
