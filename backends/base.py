@@ -5,7 +5,8 @@ it, to ``backend.prepare`` (upload, repack or dequantize, once); in the forward 
 only ``backend.matmul(x, w)`` and ``backend.embedding(ids, w)``, and :func:`matmuls` for the
 products that share an input (Q, K and V; gate and up): one call of the backend's optional
 ``matmuls(x, ws)`` where its class has one, else ``matmul`` on each. Everything else (norms,
-RoPE, attention) is array-API code run on ``backend.xp``.
+RoPE, attention) is array-API code run on ``backend.xp``, attention a block of queries at a
+time (``attention_bytes``, optional too).
 """
 
 from __future__ import annotations
@@ -70,6 +71,17 @@ class Backend(Protocol):
     def asarray(self, x: Any) -> Any:
         """An ``xp`` array on the backend's device (inputs: token ids, norm weights)."""
         ...
+
+
+# Attention scores a block of queries at a time, each block's (n_head, rows, cache) scores at
+# most this many bytes unless the backend's class says otherwise (``attention_bytes``): a
+# bound on memory for long prompts, large enough that a GPU sees a few big products.
+ATTENTION_BYTES = 256 << 20
+
+
+def attention_bytes(backend: Backend) -> int:
+    """The bytes of one block of attention scores on ``backend``."""
+    return int(getattr(backend, "attention_bytes", ATTENTION_BYTES))
 
 
 def matmuls(backend: Backend, x: Any, ws: Sequence[Any]) -> tuple[Any, ...]:

@@ -28,7 +28,7 @@ from typing import Any
 from qllama import generation
 from qllama.architectures import Activation, QKNorm, Rope, RopeLayout
 from qllama.array_api import to_numpy
-from qllama.backends.base import Backend, matmuls
+from qllama.backends.base import Backend, attention_bytes, matmuls
 from qllama.config import ModelConfig
 from qllama.errors import (
     ChatTemplateError,
@@ -244,6 +244,7 @@ class Llama:
         self.xp = backend.xp
         self.n_ctx = n_ctx or config.n_ctx
         self.trace_nonfinite = trace_nonfinite  # name the first layer that makes NaN or inf
+        self.attention_bytes = attention_bytes(backend)  # a block of queries' scores, at most
         self.cache = KVCache(
             config.n_layer,
             config.n_head_kv,
@@ -549,22 +550,42 @@ class Llama:
         """One sequence's attention: its queries (T, n_head, hd) over its cache, after writing
         its keys (T, n_kv, hd) and values (T, n_kv, hd_v) there; (T, n_head*hd_v)."""
         xp, c = self.xp, self.config
-        T, hd, hd_v, n_kv, n_rep = q.shape[0], c.head_dim, c.head_dim_v, c.n_head_kv, c.n_rep
-        cache = segment.cache
+        T, cache = q.shape[0], segment.cache
         k, v = cache.update(i, segment.pos, k, v)  # (n_kv, S, hd), S = cache capacity
-        # query head h reads kv head h // n_rep: group the query heads by their kv head
-        q = xp.permute_dims(
-            xp.reshape(cache.operand(q), (T, n_kv, n_rep, hd)), (1, 2, 0, 3)
-        )  # (n_kv, n_rep, T, hd)
-        kt = xp.permute_dims(k, (0, 2, 1))[:, None, :, :]  # (n_kv, 1, hd, S)
-        scores = xp.matmul(q, kt) * c.query_scale  # (n_kv, n_rep, T, S)
+        kt = xp.permute_dims(k, (0, 2, 1))  # (n_kv, hd, S)
+        mask = segment.masks[window]  # (T, S)
+        # a block of queries at a time, whose scores take at most attention_bytes: in cache
+        # on a CPU, and bounded for a long prompt (a row's numbers are its own, but BLAS may
+        # choose another kernel, and round otherwise, for another block's shape)
+        rows = max(1, self.attention_bytes // (4 * c.n_head * k.shape[1]))
+        if rows >= T:
+            return self._attend_rows(q, kt, v, mask, cache)
+        blocks = [(a, min(a + rows, T)) for a in range(0, T, rows)]
+        return xp.concat(
+            [self._attend_rows(q[a:b, ...], kt, v, mask[a:b, ...], cache) for a, b in blocks],
+            axis=0,
+        )  # (T, n_head*hd_v)
+
+    def _attend_rows(self, q: Any, kt: Any, v: Any, mask: Any, cache: KVCache) -> Any:
+        """Queries (t, n_head, hd) over keys (n_kv, hd, S) and values (n_kv, S, hd_v) under
+        ``mask`` (t, S); (t, n_head*hd_v)."""
+        xp, c = self.xp, self.config
+        t, hd, n_kv, n_rep, S = q.shape[0], c.head_dim, c.n_head_kv, c.n_rep, kt.shape[2]
+        # query head h reads kv head h // n_rep: one product per kv head over its query heads
+        q = xp.reshape(
+            xp.permute_dims(xp.reshape(cache.operand(q), (t, n_kv, n_rep, hd)), (1, 2, 0, 3)),
+            (n_kv, n_rep * t, hd),
+        )  # (n_kv, n_rep*t, hd)
+        scores = xp.reshape(xp.matmul(q, kt), (n_kv, n_rep, t, S))  # (n_kv, n_rep, t, S)
+        scores = scores * c.query_scale
         if c.attn_softcap:
             scores = softcap(scores, c.attn_softcap, xp=xp)
-        p = cache.operand(softmax(scores + segment.masks[window], xp=xp))
-        out = xp.matmul(p, v[:, None, :, :])  # (n_kv, n_rep, T, hd_v)
+        p = cache.operand(softmax(scores + mask, xp=xp))  # (n_kv, n_rep, t, S)
+        out = xp.matmul(xp.reshape(p, (n_kv, n_rep * t, S)), v)  # (n_kv, n_rep*t, hd_v)
+        out = xp.reshape(out, (n_kv, n_rep, t, c.head_dim_v))  # (n_kv, n_rep, t, hd_v)
         return xp.reshape(
-            xp.permute_dims(out, (2, 0, 1, 3)), (T, c.n_head * hd_v)
-        )  # (T, n_head*hd_v)
+            xp.permute_dims(out, (2, 0, 1, 3)), (t, c.n_head * c.head_dim_v)
+        )  # (t, n_head*hd_v)
 
     def _qkv(self, x: Any, layer: LayerWeights) -> tuple[Any, Any, Any]:
         """Queries, keys and values: three products, or one of the fused attn_qkv cut in

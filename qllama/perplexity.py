@@ -205,8 +205,7 @@ class Scores:
 
 def nll_of(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
     """Negative log-likelihood of each target (float64 log-softmax of float32 logits)."""
-    lp = metrics.log_softmax(logits)
-    return -lp[np.arange(targets.size), np.asarray(targets, dtype=np.int64)]
+    return metrics.nll(logits, targets)
 
 
 def run(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -27,6 +28,26 @@ def test_kld_ignores_a_constant_shift_and_is_non_negative(shift, seed):
     s1, s2 = metrics.kl_stats(a, b, tokens), metrics.kl_stats(a, b + shift, tokens)
     assert s1.mean_kld >= -1e-12
     assert abs(s1.mean_kld - s2.mean_kld) < 1e-9
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    rows=st.integers(1, 40),
+    vocab=st.integers(2, 300),
+    block=st.integers(1, 5000),
+    scale=st.floats(0.1, 60),
+    seed=st.integers(0, 1000),
+)
+def test_nll_is_the_log_softmax_entry_bit_for_bit(rows, vocab, block, scale, seed):
+    """Rows in blocks of any size, without the whole log-softmax: the same float64 values."""
+    rng = np.random.default_rng(seed)
+    logits = (rng.standard_normal((rows, vocab)) * scale).astype(np.float32)
+    targets = rng.integers(0, vocab, rows)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(metrics, "NLL_BLOCK_BYTES", block)
+        got = metrics.nll(logits, targets)
+    want = -metrics.log_softmax(logits)[np.arange(rows), targets]
+    np.testing.assert_array_equal(got.view(np.uint64), want.view(np.uint64))
 
 
 def test_llama_cpp_definitions():

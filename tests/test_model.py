@@ -86,6 +86,28 @@ def test_cache_step_by_step_equals_one_pass(tiny, setup):
 
 
 @pytest.mark.parametrize("setup", SETUPS)
+@pytest.mark.parametrize("rows", [1, 3])
+def test_attention_in_blocks_of_queries(tiny, setup, rows, monkeypatch):
+    """Blocks of a few queries compute the attention of one block of all: rows are
+    independent, so only BLAS's order within each product may change."""
+    m = load(tiny, setup)
+    whole = to_numpy(m.forward(IDS, all_logits=True))
+    seen = []
+    attend_rows = type(m)._attend_rows
+
+    def spy(self, q, *args):
+        seen.append(q.shape[0])
+        return attend_rows(self, q, *args)
+
+    monkeypatch.setattr(type(m), "_attend_rows", spy)
+    m.attention_bytes = 4 * m.config.n_head * m.cache.capacity * rows  # `rows` queries' scores
+    blocked = to_numpy(m.forward(IDS, all_logits=True))
+    sizes = [rows] * (len(IDS) // rows) + ([len(IDS) % rows] if len(IDS) % rows else [])
+    assert seen == sizes * m.config.n_layer
+    np.testing.assert_allclose(blocked, whole, rtol=0, atol=tolerance(m, whole, setup))
+
+
+@pytest.mark.parametrize("setup", SETUPS)
 def test_same_chunks_give_the_same_bits(tiny, setup):
     """Replaying the same calls is exact on every setup, the CPU arithmetic included: only a
     different chunking may change the float order."""
