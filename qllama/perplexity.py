@@ -203,11 +203,6 @@ class Scores:
         return metrics.summarize(v)
 
 
-def nll_of(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
-    """Negative log-likelihood of each target (float64 log-softmax of float32 logits)."""
-    return metrics.nll(logits, targets)
-
-
 def run(
     scorer: Scorer,
     wins: Windows,
@@ -233,7 +228,7 @@ def run(
             scores.values.append(v)
             scores.nll.append(v.nll_test)
         else:
-            scores.nll.append(nll_of(logits, targets))
+            scores.nll.append(metrics.nll(logits, targets))
         if progress is not None:
             progress(wins.n_ctx)
         if on_window is not None:
@@ -323,7 +318,6 @@ __all__ = [
     "Scores",
     "Windows",
     "measure",
-    "nll_of",
     "qllama_scorer",
     "run",
     "tokenize",

@@ -87,7 +87,7 @@ def test_run_scores_the_second_half_and_prints_llama_lines():
     scores = perplexity.run(scorer, w)
     assert len(seen) == 6 and all(t[0] == 3 and f == 8 for t, f in seen)
     expect = np.concatenate(
-        [perplexity.nll_of(scorer(w.evaluated(i), 8), w.targets(i)) for i in range(6)]
+        [metrics.nll(scorer(w.evaluated(i), 8), w.targets(i)) for i in range(6)]
     )
     assert np.array_equal(scores.all_nll(), expect) and scores.count == 6 * 7
     ppl, unc = scores.ppl()
