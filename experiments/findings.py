@@ -42,9 +42,9 @@ def _median(view: View, variant: str, setting: str) -> float:
 
 
 # --- 1. the F32 control ------------------------------------------------------------------------
-# What is left at F32 is summation order (BLAS, softmax, RMSNorm), ulp-level: measured 4.0e-5
-# (numpy, torch) and 5.3e-5 (jax) at the last position, 7e-5 to 1.05e-4 at the worst step, on
-# every prompt and draw. 1e-3 is an order of magnitude above that and nearly three below
+# What is left at F32 is summation order (BLAS, softmax, RMSNorm), ulp-level: measured 2.9e-5
+# to 6.3e-5 at the last position, 4.7e-5 to 1.2e-4 at the worst step, on every prompt, setting
+# and draw. 1e-3 is an order of magnitude above that and nearly three below
 # Q8_0's error, so a real implementation error (a RoPE or attention slip moves logits by 1 or
 # more) cannot hide under it.
 F32_BOUND = 1e-3
@@ -65,7 +65,7 @@ def f32_control(view: View) -> Iterator[Check]:
 # --- 2. Q4_K_M error is several times Q8_0's ---------------------------------------------------
 # On the median per-step max|Δ|, a statistic (the last position is one draw of the roundings).
 # Measured on the seven prompts, every draw: 5.35 to 6.55 (gpu, dequantize-all, jax) and
-# 2.58 to 4.67 (cpu, whose Q8_0 error is larger). [2, 8] keeps "several times"; a ratio near 1
+# 2.63 to 4.67 (cpu, whose Q8_0 error is larger). [2, 8] keeps "several times"; a ratio near 1
 # (Q4_K_M no worse than Q8_0) or an order of magnitude (a broken K-quant) fails.
 RATIO = (2.0, 8.0)
 
@@ -86,7 +86,7 @@ def q4_vs_q8(view: View) -> Iterator[Check]:
 
 # --- 3. where the CPU arithmetic's error shows -------------------------------------------------
 # Q8_0: activation quantization adds error on top of the weight error.
-# Measured 1.41 to 1.85 (median per-step max|Δ|, cpu over gpu) on every prompt and draw. 1.2 is
+# Measured 1.42 to 1.85 (median per-step max|Δ|, cpu over gpu) on every prompt and draw. 1.2 is
 # still an effect no summation order could make (those are 1e-4), and fails if the activations
 # stopped being quantized (ratio 1.00).
 CPU_EXTRA = 1.2
@@ -100,7 +100,7 @@ def cpu_adds_error(view: View) -> Iterator[Check]:
 
 
 # GPU and dequantize-all compute the same products (weights dequantized either way) and differ
-# by float32 summation order only: measured relative difference at most 2.9e-5 (fact, Q8_0).
+# by float32 summation order only: measured relative difference at most 2.7e-5 (fact, Q8_0).
 # 1e-3 is far above that and far below the 40% or more the activation quantization makes.
 SAME = 1e-3
 
@@ -120,8 +120,8 @@ def gpu_is_dequantize_all(view: View) -> Iterator[Check]:
 
 # Q4_K_M: the weight error swamps the activation error. The original claim, "all three within
 # a few percent" at the last position, held on the original prompt (3.6%) only: the last
-# position is one draw of the CPU's roundings: measured 0.5% to 18% over the prompts and
-# draws, it fails on list, fact, explain and raw. It is reported, not asserted; the asserted
+# position is one draw of the CPU's roundings: measured 0.2% to 18% over the prompts and
+# draws, it fails on list, poem, fact, explain and raw. It is reported, not asserted; the asserted
 # form compares the CPU arithmetic's excess for the two files, on the median.
 FEW_PERCENT = 0.10
 
@@ -143,7 +143,7 @@ def q4_within_few_percent(view: View) -> Iterator[Check]:
         )
 
 
-# The CPU arithmetic's excess over the GPU's, on the median: Q4_K_M -0.11 to +0.11, Q8_0 +0.44
+# The CPU arithmetic's excess over the GPU's, on the median: Q4_K_M -0.09 to +0.13, Q8_0 +0.42
 # to +0.85 on every prompt and draw. Asserted as an ordering, not a percentage.
 def q4_swamps_activations(view: View) -> Iterator[Check]:
     q8, q4 = _excess(view, "Q8_0"), _excess(view, "Q4_K_M")
@@ -163,10 +163,14 @@ def _excess(view: View, variant: str) -> float:
 
 
 # --- 4. which steps flip under teacher forcing --------------------------------------------------
-# Q8_0 flips only where the reference is nearly tied: the largest flip margin measured on
-# any prompt and draw is 0.21 (cpu-cache, a CPU draw), against top logits of 18-28. 0.35 is
-# above it; Q4_K_M, whose error is four to six times larger, flips steps with margins up to 1.57.
-NEAR_TIE = 0.35
+# Q8_0 flips only where the reference is nearly tied, on the scale of its own error: a flip
+# needs two logits' errors to differ by more than the reference's margin, so a step whose margin
+# exceeds the typical step's largest logit error (the median per-step max|Δ|, 0.44-1.32 for
+# Q8_0) flips only under an error spike. Measured: the largest flip margin is 0.008 to 0.47 of
+# the median on every prompt and draw (0.36 against 0.77 on cpu-cache, a CPU draw). The bound
+# is not an absolute margin: one more draw of the activation roundings can flip a step near any
+# margin the error reaches (0.21 absolute before the attention products changed shape, 0.36 after).
+NEAR_TIE = 1.0
 
 
 def q8_flips_near_ties(view: View) -> Iterator[Check]:
@@ -174,12 +178,12 @@ def q8_flips_near_ties(view: View) -> Iterator[Check]:
         m = _margins(view, "Q8_0", s)
         if m is None:
             continue
-        top = max(m, default=0.0)
+        top = max(m, default=0.0) / _median(view, "Q8_0", s)
         yield Check(
             f"Q8_0-{s}",
-            "largest reference margin of a flip",
+            "largest reference margin of a flip / median per-step max|Δ|",
             top if m else "no flips",
-            f"<= {NEAR_TIE}",
+            f"<= {NEAR_TIE:g}",
             (top <= NEAR_TIE) if m else None,
         )
 
@@ -266,7 +270,7 @@ def gpu_tokens_as_dequantize_all(view: View) -> Iterator[Check]:
 
 
 # The CPU arithmetic differs from them in its tokens: its free generation leaves theirs, unless
-# it never flips. Not asserted: on five of the seven prompts the CPU
+# it never flips. Not asserted: on three of the seven prompts the CPU
 # flips under teacher forcing but its free generation equals the GPU's (both leave the
 # reference at the same step for the same token, or not at all).
 
@@ -307,7 +311,7 @@ def _shares(a: dict) -> dict[str, float]:
 # is the line between "one cause" and "spread"; a mis-grouped attribution (every tensor in one
 # class) gives 100%. Q4_K_M's weights: largest share on any prompt 32.5% (attn_v on code),
 # float order only, so the same on every machine: asserted. Q8_0's activation rounding: 38.5%
-# in the base draw (ffn_down on code), but up to 49.3% in a draw (attn_v on fact, whose 8
+# in the base draw (ffn_down on code), but up to 51.1% in a draw (attn_v on fact, whose 8
 # steps make each class's excess a few large differences): reported, not asserted.
 ONE_CLASS = 0.5
 
@@ -450,7 +454,7 @@ def _kld(view: View, variant: str, setting: str) -> float | None:
     return None if c is None or "corpus" not in c else float(c["corpus"]["mean_kld"])
 
 
-# F32: summation order only; measured mean KLD 9e-12 to 1e-11. (1e-3)^2, the square of the
+# F32: summation order only; measured mean KLD 7e-12 to 1.4e-11. (1e-3)^2, the square of the
 # control's bound above, is five orders above it.
 def f32_control_on_the_corpus(view: View) -> Iterator[Check]:
     for s in view.settings:
@@ -502,7 +506,7 @@ def cpu_adds_error_on_the_corpus(view: View) -> Iterator[Check]:
 
 
 # GPU and dequantize-all: float32 order only; measured relative difference of the mean KLD
-# 4.5e-7 (Q8_0) and 5.3e-7 (Q4_K_M). Twice SAME: a relative change e of the logit error
+# at most 1.3e-6 (Q8_0). Twice SAME: a relative change e of the logit error
 # changes KL by about 2e.
 def gpu_is_dequantize_all_on_the_corpus(view: View) -> Iterator[Check]:
     for v in _quantized(view):
