@@ -4,13 +4,13 @@ Each weight row's dot product with one token is one loop in LLVM IR (:func:`lega
 :func:`kquant_row`, :func:`iq4xs_row`), its accumulators in registers from the first block
 to the last, so that the bytes of a row are read once, in order, and used as they arrive:
 
-* **32-blocks** (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), 4 rows and 4 blocks a step: the codes as
-  stored (unsigned: Q8_0's ``w ^ 0x80``, i.e. ``w + 128``) times the activations, four
-  products a lane (``vpdpbusd``), the 16 dot products' lanes reduced together; minus the
-  centre times the activations' block sum (8, 16 or 128: precomputed per token) gives
-  ``integer_form``'s sums; the 16 fp16 scales in one gather; ``(d*y.d)*isum`` (Q4_0:
-  ``(isum*d)*y.d``; ``+ m*y.s`` for the _1 types) for the 16 at once, then added to each
-  row's sum one by one, in block order.
+* **32-blocks** (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), 4 rows (Q8_0: 1, :func:`_four_rows`) and
+  4 blocks a step: the codes as stored (unsigned: Q8_0's ``w ^ 0x80``, i.e. ``w + 128``)
+  times the activations, four products a lane (``vpdpbusd``), the 16 dot products' lanes
+  reduced together; minus the centre times the activations' block sum (8, 16 or 128:
+  precomputed per token) gives ``integer_form``'s sums; the 16 fp16 scales in one gather;
+  ``(d*y.d)*isum`` (Q4_0: ``(isum*d)*y.d``; ``+ m*y.s`` for the _1 types) for the 16 at
+  once, then added to each row's sum one by one, in block order.
 * **K-quants** (Q2_K..Q6_K), a 256-super-block a step: ggml's 8 accumulator lanes (element
   ``e`` in lane ``e % 8``). The activations are permuted once per token within each 64
   (:data:`LANE_ORDER`) so that adjacent bytes share a lane and a 16-sub-block; the codes get
@@ -734,6 +734,21 @@ def _chunk(rows: int, parts: int, c: int) -> tuple[int, int]:
 
 
 @njit(**INLINE)
+def _four_rows(buf, off, rb, nb, qx, xo, cx, yd, ys, out, o, fmt):
+    """:func:`legacy_rows` of the 4 rows from byte ``off`` against one token: in one step,
+    their integer sums reduced together, where decoding the codes is the work; one row after
+    the other for Q8_0, whose bytes are its codes: its 4 interleaved rows streamed at
+    0.64-0.75x the speed of single rows (a 1B file's products, 2 threads, AVX-512 and AVX2
+    alike), while Q4_0, Q5_0, Q5_1 and IQ4_NL went 5-12% faster by four (Q4_1 alike within
+    the noise). The same bits either way."""
+    if fmt == Q8_0:
+        for j in range(4):
+            legacy_rows(buf, off + j * rb, rb, nb, qx, xo, cx, yd, ys, out, o + j, fmt, 1)
+    else:
+        legacy_rows(buf, off, rb, nb, qx, xo, cx, yd, ys, out, o, fmt, 4)
+
+
+@njit(**INLINE)
 def gemv_legacy(buf, offs, rows, x, simd, threads, out, outs_at, fmt):
     """``x @ W_i.T`` for a few tokens ``x`` (T, K) and the 32-block weights ``i`` at bytes
     ``offs[i]`` of ``buf`` (``rows[i]`` rows each): written row-major (T, rows[i]) to
@@ -752,20 +767,8 @@ def gemv_legacy(buf, offs, rows, x, simd, threads, out, outs_at, fmt):
             for r in range(4 * g0, 4 * g1, 4):
                 for t in range(tokens):
                     o = outs_at[i] + t * n + r
-                    legacy_rows(
-                        buf,
-                        offs[i] + r * rb,
-                        rb,
-                        nb,
-                        qx,
-                        t * k,
-                        cx[t],
-                        dx[t],
-                        sx[t],
-                        out,
-                        o,
-                        fmt,
-                        4,
+                    _four_rows(
+                        buf, offs[i] + r * rb, rb, nb, qx, t * k, cx[t], dx[t], sx[t], out, o, fmt
                     )
             if c == threads - 1:
                 for r in range(4 * groups, n):
