@@ -178,13 +178,14 @@ def q8_flips_near_ties(view: View) -> Iterator[Check]:
         m = _margins(view, "Q8_0", s)
         if m is None:
             continue
-        top = max(m, default=0.0) / _median(view, "Q8_0", s)
+        top, median = max(m, default=0.0), _median(view, "Q8_0", s)
         yield Check(
             f"Q8_0-{s}",
             "largest reference margin of a flip / median per-step max|Δ|",
-            top if m else "no flips",
+            top / median if m else "no flips",
             f"<= {NEAR_TIE:g}",
-            (top <= NEAR_TIE) if m else None,
+            (top / median <= NEAR_TIE) if m else None,
+            shown=f"{top:.3g} / {median:.3g} = {top / median:.3g}" if m else "",
         )
 
 
