@@ -6,7 +6,8 @@ only ``backend.matmul(x, w)`` and ``backend.embedding(ids, w)``, and :func:`matm
 products that share an input (Q, K and V; gate and up): one call of the backend's optional
 ``matmuls(x, ws)`` where its class has one, else ``matmul`` on each. Everything else (norms,
 RoPE, attention) is array-API code run on ``backend.xp``, attention a block of queries at a
-time (``attention_bytes``, optional too).
+time (``attention_bytes``, optional too), its scores by :func:`attention_scores` (the
+backend's optional ``attention_scores(q, k)``, else ``q @ k^T``).
 """
 
 from __future__ import annotations
@@ -82,6 +83,17 @@ ATTENTION_BYTES = 256 << 20
 def attention_bytes(backend: Backend) -> int:
     """The bytes of one block of attention scores on ``backend``."""
     return int(getattr(backend, "attention_bytes", ATTENTION_BYTES))
+
+
+def attention_scores(backend: Backend, q: Any, k: Any) -> Any:
+    """Queries ``(n_kv, m, hd)`` times the cached keys ``(n_kv, S, hd)`` of their KV head:
+    ``(n_kv, m, S)``, one product per head. The backend's ``attention_scores(q, k)`` where it
+    has one (the same numbers, computed faster), else ``q @ k^T``."""
+    own = getattr(backend, "attention_scores", None)
+    if own is not None:
+        return own(q, k)
+    xp = backend.xp
+    return xp.matmul(q, xp.permute_dims(k, (0, 2, 1)))
 
 
 def matmuls(backend: Backend, x: Any, ws: Sequence[Any]) -> tuple[Any, ...]:

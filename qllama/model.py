@@ -28,7 +28,7 @@ from typing import Any
 from qllama import generation
 from qllama.architectures import Activation, QKNorm, Rope, RopeLayout
 from qllama.array_api import to_numpy
-from qllama.backends.base import Backend, attention_bytes, matmuls
+from qllama.backends.base import Backend, attention_bytes, attention_scores, matmuls
 from qllama.config import ModelConfig
 from qllama.errors import (
     ChatTemplateError,
@@ -552,31 +552,31 @@ class Llama:
         xp, c = self.xp, self.config
         T, cache = q.shape[0], segment.cache
         k, v = cache.update(i, segment.pos, k, v)  # (n_kv, S, hd), S = cache capacity
-        kt = xp.permute_dims(k, (0, 2, 1))  # (n_kv, hd, S)
         mask = segment.masks[window]  # (T, S)
         # a block of queries at a time, whose scores take at most attention_bytes: in cache
         # on a CPU, and bounded for a long prompt (a row's numbers are its own, but BLAS may
         # choose another kernel, and round otherwise, for another block's shape)
         rows = max(1, self.attention_bytes // (4 * c.n_head * k.shape[1]))
         if rows >= T:
-            return self._attend_rows(q, kt, v, mask, cache)
+            return self._attend_rows(q, k, v, mask, cache)
         blocks = [(a, min(a + rows, T)) for a in range(0, T, rows)]
         return xp.concat(
-            [self._attend_rows(q[a:b, ...], kt, v, mask[a:b, ...], cache) for a, b in blocks],
+            [self._attend_rows(q[a:b, ...], k, v, mask[a:b, ...], cache) for a, b in blocks],
             axis=0,
         )  # (T, n_head*hd_v)
 
-    def _attend_rows(self, q: Any, kt: Any, v: Any, mask: Any, cache: KVCache) -> Any:
-        """Queries (t, n_head, hd) over keys (n_kv, hd, S) and values (n_kv, S, hd_v) under
+    def _attend_rows(self, q: Any, k: Any, v: Any, mask: Any, cache: KVCache) -> Any:
+        """Queries (t, n_head, hd) over keys (n_kv, S, hd) and values (n_kv, S, hd_v) under
         ``mask`` (t, S); (t, n_head*hd_v)."""
         xp, c = self.xp, self.config
-        t, hd, n_kv, n_rep, S = q.shape[0], c.head_dim, c.n_head_kv, c.n_rep, kt.shape[2]
+        t, hd, n_kv, n_rep, S = q.shape[0], c.head_dim, c.n_head_kv, c.n_rep, k.shape[1]
         # query head h reads kv head h // n_rep: one product per kv head over its query heads
         q = xp.reshape(
             xp.permute_dims(xp.reshape(cache.operand(q), (t, n_kv, n_rep, hd)), (1, 2, 0, 3)),
             (n_kv, n_rep * t, hd),
         )  # (n_kv, n_rep*t, hd)
-        scores = xp.reshape(xp.matmul(q, kt), (n_kv, n_rep, t, S))  # (n_kv, n_rep, t, S)
+        scores = attention_scores(self.backend, q, k)  # (n_kv, n_rep*t, S)
+        scores = xp.reshape(scores, (n_kv, n_rep, t, S))  # (n_kv, n_rep, t, S)
         scores = scores * c.query_scale
         if c.attn_softcap:
             scores = softcap(scores, c.attn_softcap, xp=xp)

@@ -8,6 +8,8 @@ import hashlib
 import numpy as np
 import pytest
 from bounds import gamma, reorder_bound
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from qllama import quants
 from qllama.backends import get_backend, numpy_cpu
@@ -221,3 +223,54 @@ def test_activation_shape_is_checked(ggml_vectors):
     w = backend.prepare(npz_weight(ggml_vectors, "Q8_0"))
     with pytest.raises(TensorShapeError, match=r"needs activations \(T, 512\)"):
         backend.matmul(np.zeros((2, 256), F32), w)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n_kv=st.integers(1, 4),
+    rows=st.integers(1, 2 * numpy_cpu.KEYS_FIRST_ROWS),
+    head=st.sampled_from([32, 64, 80, 96, 128, 256]),
+    keys=st.integers(1, 700),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_attention_scores_are_q_times_k_transposed_bit_for_bit(n_kv, rows, head, keys, seed):
+    """Whichever way the backend computes the scores (keys first for a decode step's few
+    rows, where this BLAS allows it), they are the bits of ``q @ k^T``, in C order (the
+    softmax's row sums then run as they always did)."""
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((n_kv, rows, head)).astype(F32)
+    k = (4 * rng.standard_normal((n_kv, keys, head))).astype(F32)
+    got = NumpyBackend().attention_scores(q, k)
+    want = np.matmul(q, k.transpose(0, 2, 1))
+    assert got.flags.c_contiguous and got.shape == (n_kv, rows, keys)
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("exact", [True, False])
+@pytest.mark.parametrize("rows", [3, numpy_cpu.KEYS_FIRST_ROWS + 1])
+def test_keys_first_only_for_few_rows_and_where_exact(exact, rows, monkeypatch):
+    """The keys go first for at most KEYS_FIRST_ROWS query rows, and only where the probe
+    found both orders give the same bits."""
+    firsts = []
+    matmul = np.matmul
+
+    def spy(a, b):
+        firsts.append(a.shape[1])
+        return matmul(a, b)
+
+    monkeypatch.setattr(numpy_cpu, "keys_first_exact", lambda: exact)
+    monkeypatch.setattr(numpy_cpu.np, "matmul", spy)
+    q, k = np.ones((2, rows, 64), F32), np.ones((2, 300, 64), F32)
+    NumpyBackend().attention_scores(q, k)
+    assert firsts == [300 if exact and rows <= numpy_cpu.KEYS_FIRST_ROWS else rows]
+
+
+def test_the_keys_first_probe_agrees_with_the_products():
+    """Where the probe allows keys first, a decode-sized product of other shapes than its
+    samples agrees too (where it does not, there is nothing to check)."""
+    rng = np.random.default_rng(7)
+    q = rng.standard_normal((3, 3, 64)).astype(F32)
+    k = rng.standard_normal((3, 512, 64)).astype(F32)
+    by_keys = np.matmul(k, q.transpose(0, 2, 1)).transpose(0, 2, 1)
+    if numpy_cpu.keys_first_exact():
+        np.testing.assert_array_equal(by_keys, np.matmul(q, k.transpose(0, 2, 1)))
