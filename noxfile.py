@@ -158,7 +158,7 @@ def bench(session: nox.Session) -> None:
     Builds llama-cpp-python (~6 min; skipped with a note in the report if it fails), then
     runs every configuration in its own process (~30 min on 2 cores), then the section
     "At scale" (~20 min more: 135M and a 1B-shaped synthetic llama written once into the
-    cache, decode time against context length; `-- --scale-3b` adds a 3B shape, ~15 min more;
+    cache, decode time against context length; `-- --scale-3b` adds a 3B shape, ~5 min more;
     `-- --no-scale` skips it, `-- --only scale` runs it alone). Run it on a quiet machine: the
     report records the load average. `-- --quick` or `-- --only TEXT` for less. `-- --isa avx2
     --only scale --out docs/bench-avx2.md` measures both sides built for AVX2 on an AVX-512
