@@ -583,9 +583,7 @@ class NumpyBackend(ArrayBackend):
             return self._loops(x, ws)
         flat = np.empty(tokens * s.total_rows, F32)
         simd = self.activation_rounding == "simd"
-        # where each weight's outputs start in ``flat``; one token's are its first rows
-        outs_at = s.starts if tokens == 1 else tokens * s.starts
-        stream(s.buffer, s.offsets, s.rows, x, simd, threads, flat, outs_at)
+        stream(s.buffer, s.offsets, s.rows, x, simd, threads, flat, tokens * s.starts)
         self._limit_blas_once()
         return tuple(
             flat[tokens * a : tokens * (a + r)].reshape(tokens, r) for a, r in s.spans

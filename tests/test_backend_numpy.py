@@ -263,14 +263,3 @@ def test_keys_first_only_for_few_rows_and_where_exact(exact, rows, monkeypatch):
     q, k = np.ones((2, rows, 64), F32), np.ones((2, 300, 64), F32)
     NumpyBackend().attention_scores(q, k)
     assert firsts == [300 if exact and rows <= numpy_cpu.KEYS_FIRST_ROWS else rows]
-
-
-def test_the_keys_first_probe_agrees_with_the_products():
-    """Where the probe allows keys first, a decode-sized product of other shapes than its
-    samples agrees too (where it does not, there is nothing to check)."""
-    rng = np.random.default_rng(7)
-    q = rng.standard_normal((3, 3, 64)).astype(F32)
-    k = rng.standard_normal((3, 512, 64)).astype(F32)
-    by_keys = np.matmul(k, q.transpose(0, 2, 1)).transpose(0, 2, 1)
-    if numpy_cpu.keys_first_exact():
-        np.testing.assert_array_equal(by_keys, np.matmul(q, k.transpose(0, 2, 1)))
