@@ -1,4 +1,4 @@
-"""Sessions: tests, lint, reference, experiments, study-peers, peers, bench, fuzz, hf.
+"""Sessions: tests, tests-avx2, lint, reference, experiments, study-peers, peers, bench, fuzz, hf.
 
 CI (``.ci/run``) runs ``nox -s tests``, then ``nox -s experiments`` on two of the study's
 prompts; ``nox -l`` lists everything.
@@ -32,19 +32,32 @@ LLAMA_CPP_SERVER = [
 PARALLEL = ["-n", "logical", "--maxprocesses", "4", "--dist", "loadgroup"]
 
 
-@nox.session
-def tests(session: nox.Session) -> None:
-    """The test suite (slow tests excluded; `nox -s tests -- -m slow` runs them).
-
-    qllama is installed as a wheel (not editable) and pytest does not put the repository on
-    sys.path, so the tests exercise what `pip install .` gives.
-    """
+def install_tests(session: nox.Session) -> None:
+    """What the test suite needs, qllama as a wheel (not editable): pytest does not put the
+    repository on sys.path, so the tests exercise what `pip install .` gives."""
     session.install(TORCH, *REFERENCE)
     # plot: the trace's figure; serve, hf, hf-eval and lm-eval: the server and adapter tests;
     # dask: the study's cluster test
     session.install(".[dev,torch,jax,reference,fast,plot,serve,hf,hf-eval,dask]", LM_EVAL)
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """The test suite (slow tests excluded; `nox -s tests -- -m slow` runs them)."""
+    install_tests(session)
     # first, so that arguments given after `--` (`-n 0`, say) override them
     session.run("pytest", *PARALLEL, *(session.posargs or ["-m", "not slow"]))
+
+
+@nox.session(name="tests-avx2")
+def tests_avx2(session: nox.Session) -> None:
+    """The test suite under an AVX2-only machine's code paths, on an AVX-512 host: numba's
+    kernels, OpenBLAS, numpy's loops, torch and XLA told to stop at AVX2 (tools/isa_env.py)."""
+    install_tests(session)
+    out = session.run("python", "tools/isa_env.py", "avx2", silent=True)
+    env = dict(line.split("=", 1) for line in str(out).strip().splitlines())
+    session.log("AVX2 code paths: " + ", ".join(sorted(env)))
+    session.run("pytest", *PARALLEL, *(session.posargs or ["-m", "not slow"]), env=env)
 
 
 # qllama.hf is tested at both ends of the transformers range it supports

@@ -300,19 +300,24 @@ def small_dot4(builder: ir.IRBuilder, acc: Any, u: Any, s: Any) -> Any:
 
 def signed_dot4(builder: ir.IRBuilder, acc: Any, w: Any, s: Any) -> Any:
     """``acc`` (<16 x i32>) plus the sums of each 4 adjacent products of 64 signed bytes
-    ``w`` by 64 signed bytes ``s``: on AVX2 without VNNI :func:`small_dot4` of ``|w|``
-    (``vpabsb``) by ``s`` with ``w``'s sign (``vpsignb``), as ggml's AVX2 dot products do.
-    Exact unless a byte of ``s`` is -128 where ``w`` is negative: only a NaN activation
-    block quantizes to -128, and its scale (NaN) makes the block's term NaN whatever the
-    integers."""
+    ``w`` (weight codes) by 64 signed bytes ``s`` (activation codes): on AVX2 without VNNI
+    :func:`small_dot4` of ``|s|`` (``vpabsb``; -128 reads as the unsigned 128) by ``w`` with
+    ``s``'s sign (``vpsignb``).
+
+    Exact unless a byte of ``w`` is -128 where ``s`` is negative (``vpsignb`` cannot negate
+    -128): the caller sends such weights elsewhere (:func:`q8_0_codes_in_range`). ggml's AVX2
+    code takes the roles the other way round (``|w|`` by ``s`` signed by ``w``), which is
+    inexact where an activation code is -128: the code of a NaN, ``inf * 0`` included, that
+    an infinite block's scale (inf, not NaN) turns into an infinity whose sign is that of
+    the integer sum. qllama computes ggml's generic C, whose integer sums are exact."""
     if not PAIRS:  # the products in int32
         prod = builder.mul(builder.sext(w, vec(I32, 64)), builder.sext(s, vec(I32, 64)))
         quads4 = [pick(builder, prod, list(range(c, 64, 4))) for c in range(4)]
         total = builder.add(builder.add(quads4[0], quads4[1]), builder.add(quads4[2], quads4[3]))
         return builder.add(acc, total)
     abs_fn = declare(builder, "llvm.abs.v64i8", vec(I8, 64), [vec(I8, 64), I1])
-    magnitude = builder.call(abs_fn, [w, ir.Constant(I1, 0)])
-    signed = _by_parts(builder, "llvm.x86.avx2.psign.b", vec(I8, 32), 32, s, w)
+    magnitude = builder.call(abs_fn, [s, ir.Constant(I1, 0)])
+    signed = _by_parts(builder, "llvm.x86.avx2.psign.b", vec(I8, 32), 32, w, s)
     return small_dot4(builder, acc, magnitude, signed)
 
 

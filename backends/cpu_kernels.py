@@ -558,6 +558,26 @@ def streaming(fmt: int, tokens: int, *, serial: bool) -> Any | None:
     return kernels[fmt][1 if serial else 0] if fmt in kernels else None
 
 
+Q8_0 = int(GGMLType.Q8_0)
+_SCAN_BLOCKS = 1 << 16  # Q8_0 blocks a step of computes_exactly's scan (2 MB)
+
+
+def computes_exactly(fmt: int, raw: np.ndarray) -> bool:
+    """Whether the kernels give the oracle's bits for a weight of format ``fmt`` and bytes
+    ``raw``: always, but for a Q8_0 weight with a code of -128 on hosts whose decode loop
+    signs the codes (AVX2 without VNNI: :func:`qllama.backends.cpu_ir.signed_dot4`).
+    llama.cpp's quantizer never writes -128 (its codes are ``round(x / d)`` with ``d`` the
+    block's largest magnitude over 127); a file that has one goes to the oracle. The scan
+    takes about 0.2 s a GB, once per weight."""
+    if fmt != Q8_0 or not cpu_gemv.Q8_SIGNED:
+        return True
+    blocks = raw.reshape(-1, 34)  # (n_blocks, 2 + 32): fp16 d, then the codes
+    for b in range(0, blocks.shape[0], _SCAN_BLOCKS):
+        if (blocks[b : b + _SCAN_BLOCKS, 2:] == 0x80).any():
+            return False
+    return True
+
+
 def kernel(fmt: int, *, serial: bool) -> Any:
     """The compiled matmul for weights of format ``fmt`` (a GGML type id):
     ``kernel(raw, rows, x, simd, threads) -> (T, rows) float32``."""

@@ -128,6 +128,14 @@ class Packed:
     def row_bytes(self) -> int:
         return self.tensor.row_length // self.fmt.block_size * self.fmt.type_size
 
+    @functools.cached_property
+    def kernels_exact(self) -> bool:
+        """Whether the compiled kernels give the oracle's bits for this weight
+        (:func:`~qllama.backends.cpu_kernels.computes_exactly`); asked in kernels mode only."""
+        from qllama.backends import cpu_kernels
+
+        return cpu_kernels.computes_exactly(int(self.tensor.ggml_type), self.tensor.data)
+
     def rows(self, index: slice | np.ndarray) -> tuple[QuantTensor, Fields]:
         """Rows ``index`` as a tensor of their own and their unpacked (mostly view) fields."""
         raw = self.tensor.data.reshape(self.tensor.rows, self.row_bytes)[index]
@@ -159,7 +167,7 @@ class Streams:
         if not all(isinstance(w, Packed) for w in ws):
             return None
         code, k = ws[0].tensor.ggml_type, ws[0].tensor.row_length
-        if code not in STREAMING_TYPES:
+        if code not in STREAMING_TYPES or not all(w.kernels_exact for w in ws):
             return None
         rows = np.array([w.tensor.rows for w in ws], np.int64)
         starts = np.cumsum(rows) - rows
@@ -502,7 +510,7 @@ class NumpyBackend(ArrayBackend):
     def _matmul_q8(self, x: np.ndarray, w: Packed) -> np.ndarray:
         """ggml's CPU matmul: quantize the activations once, then ``vec_dot`` by chunks."""
         if self.kernels == "numba":
-            if w.tensor.ggml_type in KERNEL_TYPES:
+            if w.tensor.ggml_type in KERNEL_TYPES and w.kernels_exact:
                 return self._matmul_kernels(x, w)
             if w.tensor.ggml_type == GGMLType.F32:
                 return self._matmul_f32_view(x, w)

@@ -23,28 +23,11 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-ISAS = ("avx2",)
-# LLVM feature names that an AVX2-only x86 lacks (prefixes)
-BEYOND_AVX2 = ("avx512", "avx10", "avxvnni", "avxifma", "avxneconvert", "amx", "evex512")
+sys.path.insert(0, str(ROOT / "tools"))
 
+from isa_env import ISAS, numba_env  # noqa: E402  (tools/isa_env.py: the targets)
 
-def numba_env(isa: str) -> dict[str, str]:
-    """numba's target for ``isa``: the host CPU's name and features, less those beyond it."""
-    from llvmlite import binding
-
-    if isa not in ISAS:
-        raise ValueError(f"unknown instruction set {isa!r} (known: {', '.join(ISAS)})")
-    features = dict(binding.get_host_cpu_features())
-    if not features.get("avx2"):
-        raise SystemExit(f"--isa {isa}: this CPU has no AVX2")
-    flags = [
-        ("-" if name.startswith(BEYOND_AVX2) else "+" if on else "-") + name
-        for name, on in sorted(features.items())
-    ]
-    return {
-        "NUMBA_CPU_NAME": binding.get_host_cpu_name(),
-        "NUMBA_CPU_FEATURES": ",".join(flags),
-    }
+__all__ = ["ISAS", "environment", "llama_bin", "numba_env"]
 
 
 def llama_bin(isa: str) -> str:

@@ -176,6 +176,10 @@ class Architecture:
     swa_needs_key: bool = False
     swa_rope_scale_one: bool = False  # sliding layers use freq_scale 1 (gemma3), not the global
     swa_rope_base_key: bool = True  # sliding layers read rope.freq_base_swa (olmo2 never does)
+    # the sliding layers' base where rope.freq_base_swa is absent: 0, the global base (gemma2's
+    # load_arch_hparams copies it); else this value (gemma3: llama-hparams.h's default, 10000,
+    # which files converted before the converter wrote the key run with in llama.cpp)
+    swa_rope_base_default: float = 0.0
     # soft-caps: None where llama.cpp does not read the key for this architecture, else the
     # default of {arch}.attn_logit_softcapping / final_logit_softcapping (0: off)
     attn_softcap: float | None = None
@@ -275,6 +279,7 @@ ARCHITECTURES: dict[str, Architecture] = {
             swa_pattern=6,
             swa_needs_key=True,
             swa_rope_scale_one=True,
+            swa_rope_base_default=10000.0,
             final_softcap=0.0,
         ),
         Architecture(

@@ -42,7 +42,7 @@ from typing import Any, ClassVar
 
 from qllama import defaults
 from qllama.backends import get_backend
-from qllama.backends.base import Backend, QuantTensor
+from qllama.backends.base import Backend, QuantTensor, attention_bytes, attention_scores
 from qllama.errors import BackendError
 from qllama.ggml_types import GGMLType
 
@@ -144,6 +144,13 @@ class PolicyBackend:
         self.xp = first.xp
         self.device = first.device
         self.dequantize_all = False
+        # what is not a weight's product (the attention) is computed as the backend computes
+        # it alone: its block size and its scores (an orientation chosen by the CPU's BLAS)
+        self._first = first
+        self.attention_bytes = attention_bytes(first)
+
+    def attention_scores(self, q: Any, k: Any) -> Any:
+        return attention_scores(self._first, q, k)
 
     def supports(self, ggml_type: GGMLType) -> bool:
         return any(b.supports(ggml_type) for b in self.backends.values())

@@ -235,8 +235,9 @@ class _Reader:
         ):
             window = 0
         sliding = self.sliding_layers(n_layer) if window else [False] * n_layer
+        swa_base = a.swa_rope_base_default or base
         swa_rope = Rope(
-            self.real("rope.freq_base_swa", base) if a.swa_rope_base_key else base,
+            self.real("rope.freq_base_swa", swa_base) if a.swa_rope_base_key else base,
             1.0 if a.swa_rope_scale_one else scale,
             factors,
         )

@@ -18,7 +18,7 @@ import numpy as np
 from qllama.atomic import atomic_write
 from qllama.errors import TensorShapeError
 from qllama.ggml_types import VALUE_FORMATS, GGMLType, ValueType
-from qllama.gguf_reader import DEFAULT_ALIGNMENT, MAGIC, GGUFValue, _align
+from qllama.gguf_reader import DEFAULT_ALIGNMENT, MAGIC, GGUFValue, _align, read_gguf
 
 TensorData = np.ndarray | Callable[[], np.ndarray]
 
@@ -207,4 +207,17 @@ def copy_metadata(src: Any, dst: GGUFWriter, *, skip: Sequence[str] = ()) -> Non
             dst.add(key, v)
 
 
-__all__ = ["GGUFWriter", "copy_metadata", "infer_value"]
+def rewrite(
+    src: str | os.PathLike[str], dst: str | os.PathLike[str], *, drop: Sequence[str] = ()
+) -> None:
+    """Copy a GGUF file without the metadata keys ``drop`` (every other value with its type,
+    every tensor byte for byte): a file as a converter that did not write those keys made it."""
+    f = read_gguf(src)
+    w = GGUFWriter(alignment=f.alignment)
+    copy_metadata(f, w, skip=drop)
+    for t in f:
+        w.add_tensor(t.name, f.tensor_data(t.name), t.ggml_type, t.shape)
+    w.write(dst)
+
+
+__all__ = ["GGUFWriter", "copy_metadata", "infer_value", "rewrite"]

@@ -46,7 +46,8 @@ def nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
         d -= top[a : a + step, None]
         np.exp(d, out=d)
         sums[a : a + step] = d.sum(axis=-1)
-    return np.log(sums) - (z[np.arange(n), targets].astype(np.float64) - top)
+    # -(z - log(sum)), as written in log_softmax: the same bits, the sign of a zero included
+    return -((z[np.arange(n), targets].astype(np.float64) - top) - np.log(sums))
 
 
 def margin(logits: np.ndarray) -> np.ndarray:

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import pytest
 from bounds import forward_bound
+from conformance import OLDER_CONVERTERS
 
 import qllama
 from qllama.architectures import ARCHITECTURES
@@ -202,13 +203,24 @@ def conformance_model(name: str) -> Any:
         pytest.skip(str(e))
 
 
-@pytest.mark.parametrize("name", SAFETENSORS)
-def test_transformers_on_the_original_safetensors(name: str) -> None:
+@pytest.mark.parametrize(
+    ("name", "older"),
+    [(n, False) for n in SAFETENSORS] + [(n, True) for n in sorted(OLDER_CONVERTERS)],
+    ids=lambda v: {True: "older-converter", False: "converter"}.get(v, v),
+)
+def test_transformers_on_the_original_safetensors(name: str, older: bool) -> None:
+    """The converter's file, and (``older``) the same file without the keys that older
+    converters did not write (conformance.OLDER_CONVERTERS): llama.cpp's fallbacks for them
+    are the values transformers computes with."""
+    from conformance import as_older_converter
     from conformance.runners import transformers_logits
 
     built = conformance_model(name)
     ref = transformers_logits(built, built.ids())
-    m = qllama.load(built.gguf, backend="numpy", activations="f32")
+    path = as_older_converter(built) if older else built.gguf
+    if older:
+        assert not set(OLDER_CONVERTERS[name]) & set(qllama.read_gguf(path).kv)
+    m = qllama.load(path, backend="numpy", activations="f32")
     got = to_numpy(m.forward(built.ids(), all_logits=True))
     assert np.abs(ref).max() > 1.0 and len(set(ref.argmax(axis=1).tolist())) > 4  # not flat
     assert got.shape == ref.shape

@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("numba")
 
 from qllama import quants
-from qllama.backends import numpy_cpu
+from qllama.backends import cpu_kernels, numpy_cpu
 from qllama.backends.base import QuantTensor, matmuls
 from qllama.backends.numpy_cpu import NumpyBackend
 from qllama.errors import BackendError, TensorShapeError
@@ -139,6 +139,31 @@ def test_non_finite_activations(qtype, parallelism):
         fast.activation_rounding = oracle.activation_rounding = rounding
         for rows in (slice(0, 1), slice(0, 18)):
             agree(fast.matmul(x[rows], fast.prepare(w)), oracle.matmul(x[rows], oracle.prepare(w)))
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 20])
+def test_q8_0_codes_of_minus_128(tokens, parallelism):
+    """-128 in a Q8_0 weight (llama.cpp's quantizer never writes it; a hand-made file can)
+    and in activations (the code of a NaN, and of an infinite block's inf * 0) against
+    negative partners: the exact integer products of ggml's generic C, on every host. On
+    AVX2 without VNNI the decode loop cannot take a weight code of -128, and that weight
+    goes to the oracle; any other weight stays on the kernels."""
+    k = 256
+    w = random_weight("Q8_0", 6, k, seed=tokens)
+    raw = w.data.copy().reshape(6, -1, 34)  # (rows, blocks, bytes)
+    raw[0, :, 2:10] = 0x80  # -128 against every sign of activation
+    raw[3, 2, 2:34] = 0x80
+    bad = weight(raw, "Q8_0", (6, k))
+    x = hard_activations(tokens, k, seed=tokens)
+    x[0, 64:96] = -np.abs(x[0, 64:96])  # negative activations meet the -128s
+    x[0, 100] = np.inf  # an infinite block: its codes are 0, and -128 at the infinity
+    x[0, 131] = np.nan  # a NaN in a finite block: -128 there (simd)
+    fast, oracle = backends("simd", parallelism)
+    for ws in (bad, w):
+        agree(fast.matmul(x, fast.prepare(ws)), oracle.matmul(x, oracle.prepare(ws)))
+    prepared = fast.prepare(w)
+    assert prepared.kernels_exact  # a weight without -128 never leaves the kernels
+    assert fast.prepare(bad).kernels_exact == (not cpu_kernels.cpu_gemv.Q8_SIGNED)
 
 
 def one_file(qtypes: list[str], rows: list[int], k: int) -> list[QuantTensor]:

@@ -365,6 +365,29 @@ class Built:
         return [1, *rng.integers(first, self.spec.config["vocab_size"], n - 1).tolist()]
 
 
+# Keys that llama.cpp's converter writes today and that files converted earlier can lack: such
+# a file runs in llama.cpp with the family's fallback (docs/architectures.md, "Keys a file may
+# lack"), and so must it in qllama. Users download such files; these families' conformance
+# models are also compared without them.
+OLDER_CONVERTERS: dict[str, tuple[str, ...]] = {
+    # gemma3 files converted before the converter wrote the key: llama-hparams.h's 10000
+    "gemma3": ("gemma3.rope.freq_base_swa",),
+    # the vocabulary's size: the tokenizer's token count (llama's load_arch_hparams)
+    "llama": ("llama.vocab_size",),
+}
+
+
+def as_older_converter(built: Built) -> Path:
+    """The converter's file without the keys of :data:`OLDER_CONVERTERS` (every tensor byte
+    for byte the same), written once beside it."""
+    from qllama.gguf_writer import rewrite
+
+    out = built.gguf.with_name("model-f32-older.gguf")
+    if not out.exists():
+        rewrite(built.gguf, out, drop=OLDER_CONVERTERS[built.spec.name])
+    return out
+
+
 def build(name: str) -> Built:
     """The model ``name`` of :data:`MODELS`, built and converted once (cached by content)."""
     spec = MODELS[name]
