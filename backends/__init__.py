@@ -31,9 +31,9 @@ from qllama.errors import BackendError
 
 # name -> (module:class, the package it needs)
 BUILTIN: dict[str, tuple[str, str]] = {
-    "numpy": ("qllama.backends.numpy_cpu:NumpyBackend", "numpy"),
-    "torch": ("qllama.backends.torch_gpu:TorchBackend", "torch"),
-    "jax": ("qllama.backends.jax_gpu:JaxBackend", "jax"),
+    "numpy": ("qllama.backends.numpy.dispatch:NumpyBackend", "numpy"),
+    "torch": ("qllama.backends.torch:TorchBackend", "torch"),
+    "jax": ("qllama.backends.jax:JaxBackend", "jax"),
     "array_api_strict": ("qllama.backends.strict:StrictBackend", "array_api_strict"),
 }
 

@@ -26,7 +26,6 @@ import platform
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,27 +33,25 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import isa  # noqa: E402  (beside this file)
+import report  # noqa: E402
 import scale  # noqa: E402
-
-MODEL = "smollm2-135m-instruct"
-MESSAGES = [{"role": "user", "content": "Explain how a CPU cache works."}]
-NEW_TOKENS = 300
-FILES = ("F32", "Q8_0", "Q4_K_M")
-
-
-@dataclass(frozen=True)
-class Config:
-    """One row of the table: who runs, in which mode, on which file."""
-
-    label: str  # the setting, as the table names it
-    file: str  # F32 | Q8_0 | Q4_K_M
-    job: dict[str, Any]
-    slow: bool = False  # a reference path: fewer repeats and decode steps
-
-    @property
-    def name(self) -> str:
-        return f"{self.label} / {self.file}"
-
+import workers  # noqa: E402
+from common import (  # noqa: E402
+    CPU_ROWS,
+    FILES,
+    LLAMA_CPP,
+    LLAMA_PERPLEXITY,
+    MESSAGES,
+    MODEL,
+    NEW_TOKENS,
+    OBSERVER,
+    PPL_CORPUS,
+    PPL_CTX,
+    TRANSFORMERS,
+    Config,
+    Outcome,
+    run_worker,
+)
 
 # label, backend, options, files (None: all), slow, environment
 QLLAMA: list[tuple[str, str, dict[str, Any], tuple[str, ...] | None, bool, dict[str, str]]] = [
@@ -76,19 +73,13 @@ QLLAMA: list[tuple[str, str, dict[str, Any], tuple[str, ...] | None, bool, dict[
     ("torch dequantize-all", "torch", {"dequantize_all": True}, None, False, {}),
     ("jax", "jax", {}, None, False, {}),
 ]
-CPU_ROWS = ("numpy cpu (numba kernels)", "numpy cpu (numba kernels, 2 BLAS threads)")
-# corpus perplexity at n_ctx 512 (issue 14): label, load options; then llama-perplexity itself
-PPL_CTX = 512
-PPL_CORPUS = "botchan"
+# corpus perplexity at n_ctx PPL_CTX (issue 14): label, load options; then llama-perplexity
+# itself (the row LLAMA_PERPLEXITY)
 PERPLEXITY: list[tuple[str, dict[str, Any]]] = [
     ("perplexity: numpy dequantize-all", {"dequantize_all": True}),
-    # + qllama.perplexity.LLAMA_CPP_CPU, added by the worker
+    # + qllama.measure.perplexity.LLAMA_CPP_CPU, added by the worker
     ("perplexity: numpy cpu as llama.cpp", {"kernels": "numba", "as_llama_cpp": True}),
 ]
-LLAMA_PERPLEXITY = "perplexity: llama-perplexity"
-LLAMA_CPP = "llama.cpp"
-OBSERVER = "observer overhead"
-TRANSFORMERS = "transformers f32 eager"
 
 
 def configs(paths: dict[str, str], only: str | None) -> list[Config]:
@@ -123,57 +114,6 @@ def perplexity_configs(
 
 
 # --- running ----------------------------------------------------------------------------------
-
-
-def thread_env(threads: int) -> dict[str, str]:
-    """Every thread pool a worker may start, sized to ``threads``."""
-    env = dict(os.environ)
-    for var in (
-        "OMP_NUM_THREADS",
-        "OPENBLAS_NUM_THREADS",
-        "MKL_NUM_THREADS",
-        "VECLIB_MAXIMUM_THREADS",
-        "NUMEXPR_NUM_THREADS",
-        "NUMBA_NUM_THREADS",
-    ):
-        env[var] = str(threads)
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    env.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    return env
-
-
-@dataclass
-class Outcome:
-    result: dict[str, Any] | None = None
-    error: str | None = None
-    seconds: float = 0.0
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
-def run_worker(job: dict[str, Any], python: str, threads: int, timeout: float) -> Outcome:
-    """Run one job in a fresh process; its last ``RESULT`` line is the outcome."""
-    cmd = [python, str(HERE / "bench.py"), "--worker", json.dumps(job)]
-    t = time.perf_counter()
-    try:
-        run = subprocess.run(
-            cmd,
-            env={**thread_env(threads), **job.get("env", {})},
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            stdin=subprocess.DEVNULL,
-            check=False,
-        )
-    except subprocess.TimeoutExpired:
-        return Outcome(error=f"timed out after {timeout:.0f} s", seconds=timeout)
-    seconds = time.perf_counter() - t
-    lines = [ln for ln in run.stdout.splitlines() if ln.startswith("RESULT ")]
-    if run.returncode != 0 or not lines:
-        tail = [ln for ln in (run.stderr or run.stdout).strip().splitlines() if ln.strip()]
-        reason = tail[-1] if tail else f"exit status {run.returncode}"
-        return Outcome(error=reason[:300], seconds=seconds)
-    return Outcome(result=json.loads(lines[-1][len("RESULT ") :]), seconds=seconds)
 
 
 def probe(python: str, module: str) -> str | None:
@@ -291,12 +231,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if args.worker:
-        import workers
-
         workers.main(args.worker)
         return 0
-    from report import write_report
-
     from qllama.model_files import variant
 
     if args.quick:
@@ -304,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.isa:
         print(f"llama.cpp for {args.isa}: building or loading from the cache ...", flush=True)
         args.llama_bin = isa.llama_bin(args.isa)
-        # every worker inherits it (scale.py's too: it imports this file as another module)
+        # every worker inherits it, scale.py's too
         os.environ.update(isa.environment(args.isa, args.llama_bin))
     started = datetime.datetime.now(datetime.timezone.utc)
     load_before = os.getloadavg() if hasattr(os, "getloadavg") else None
@@ -416,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
         "ppl_windows": args.ppl_windows,
         "ppl_llama_bin": bool(args.llama_bin),
     }
-    write_report(Path(args.out), info, outcomes)
+    report.write_report(Path(args.out), info, outcomes)
     if args.json:
         from qllama.atomic import atomic_write
 

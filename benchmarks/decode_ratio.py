@@ -23,9 +23,9 @@ import sys
 import time
 from pathlib import Path
 
+from common import MESSAGES, MODEL
+
 HERE = Path(__file__).resolve().parent
-MODEL = "smollm2-135m-instruct"
-PROMPT = "Explain how a CPU cache works."
 
 
 def _env(threads: int) -> dict[str, str]:
@@ -81,11 +81,11 @@ def main(argv: list[str] | None = None) -> int:
         print("RESULT " + json.dumps(worker(**job)), flush=True)
         return 0
 
-    from qllama.loader import load
     from qllama.model_files import variant
+    from qllama.runtime.loader import load
 
     f32 = load(variant(MODEL, "F32"), backend="numpy", dequantize_all=True)
-    prompt = f32.apply_chat_template([{"role": "user", "content": PROMPT}])
+    prompt = f32.apply_chat_template(MESSAGES)
     new = list(f32.generate(prompt, max_new_tokens=args.steps + 4).ids)
     while len(new) < args.steps + 4:  # an early end of turn: go on with any tokens
         new += prompt

@@ -27,12 +27,13 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from workers import memory_mb, run_qllama
+from common import memory_mb
+from workers import run_qllama
 
 import qllama
 from qllama.array_api import to_numpy
 from qllama.atomic import atomic_write
-from qllama.file_quantizer import quantize_file
+from qllama.gguf.quantizer import quantize_file
 from qllama.synthetic import TinyConfig, write_tiny_llama
 
 FILE_TYPES = ("Q8_0", "Q4_K_M")
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         make_files(args.files, args.layers)
     import torch
 
-    from qllama.backends.torch_gpu import devices
+    from qllama.backends.torch import devices
 
     device = args.device or devices()[0]
     result: dict[str, Any] = {

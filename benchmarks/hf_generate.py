@@ -7,7 +7,7 @@
 two kinds of process run the same greedy decode of the study's chat prompt, interleaved
 (qllama, transformers, qllama, ...) so that both see the same machine load:
 
-- **qllama**: ``qllama.generation.generate_ids``, qllama's own loop;
+- **qllama**: ``qllama.runtime.generation.generate_ids``, qllama's own loop;
 - **generate**: ``QllamaForCausalLM.generate`` (transformers' loop: its logits processors,
   stopping criteria and cache bookkeeping around the same ``Llama.forward`` calls).
 
@@ -34,8 +34,8 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-MODEL = "smollm2-135m-instruct"
-MESSAGES = [{"role": "user", "content": "Explain how a CPU cache works."}]
+from common import MESSAGES, MODEL, memory_mb, pin_cpus, thread_env  # noqa: E402
+
 # label, load options, new tokens (the torch backend decodes quantized files at ~2 tok/s on a CPU)
 SETTINGS: list[tuple[str, dict[str, Any], int]] = [
     ("numpy cpu (numba kernels)", {"backend": "numpy", "kernels": "numba"}, 64),
@@ -56,15 +56,13 @@ def _median(runs: list[dict], key: str) -> float | None:
 
 def worker(job: dict[str, Any]) -> dict[str, Any]:
     """Load, then decode ``job["tokens"]`` greedy tokens; the time of each new token."""
-    from workers import memory_mb, pin_cpus
-
     pin_cpus(job["threads"])
     import torch
     import transformers
 
     import qllama
-    from qllama.generation import Sampler, generate_ids
     from qllama.hf import QllamaForCausalLM
+    from qllama.runtime.generation import Sampler, generate_ids
 
     torch.set_num_threads(job["threads"])
     options = dict(job["options"])
@@ -112,8 +110,6 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
 
 def run(job: dict[str, Any], timeout: float) -> dict[str, Any]:
     """``job`` in a fresh process, every thread pool sized to ``--threads``."""
-    from bench import thread_env
-
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(job)]
     done = subprocess.run(
         cmd,

@@ -5,8 +5,8 @@ with AVX-512 measures what an AVX2-only one runs (issue 17's targets were set on
 
 * qllama's numba kernels: compiled for the host CPU (its tuning) with every AVX-512 feature
   (and AVX-VNNI, AMX) turned off, through ``NUMBA_CPU_NAME`` / ``NUMBA_CPU_FEATURES``, which
-  :mod:`qllama.backends.cpu_simd` reads to choose its instructions; numba's disk cache keeps
-  these kernels apart from the host's (its index is keyed by the target);
+  :mod:`qllama.backends.numpy.kernels.simd` reads to choose its instructions; numba's disk cache
+  keeps these kernels apart from the host's (its index is keyed by the target);
 * llama.cpp: its libraries and tools built with ``-DGGML_AVX512=OFF``
   (``tools/llama_cpp_build.py tools --isa avx2``, cached per flags), loaded by
   llama-cpp-python through ``LLAMA_CPP_LIB_PATH``.

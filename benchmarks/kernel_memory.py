@@ -1,12 +1,12 @@
 """What the CPU arithmetic's compiled kernels cost in memory: numba's JIT against the same
 kernels compiled ahead of time (issue 17, item 5).
 
-The JIT keeps LLVM in the process: importing numba maps llvmlite's library, and the first
-kernel, even one loaded from numba's disk cache, initialises LLVM's code generator. An
-ahead-of-time build (``numba.pycc``, here; a compiled extension would be the same) is a small
-shared object that needs neither at run time. This script compiles the serial Q4_K and Q8_0
-drivers of ``backends/cpu_gemm.py`` (many tokens) and ``backends/cpu_gemv.py`` (decode) both
-ways and measures, each in a fresh process:
+The JIT keeps LLVM in the process: importing numba maps llvmlite's library, and the first kernel,
+even one loaded from numba's disk cache, initialises LLVM's code generator. An ahead-of-time build
+(``numba.pycc``, here; a compiled extension would be the same) is a small shared object that needs
+neither at run time. This script compiles the serial Q4_K and Q8_0 drivers of
+``backends/numpy/kernels/gemm.py`` (many tokens) and ``backends/numpy/kernels/gemv.py`` (decode)
+both ways and measures, each in a fresh process:
 
 * resident memory (``VmRSS``) after numpy and the weights, after importing the kernels, and
   after their first calls;
@@ -32,9 +32,9 @@ FORMATS = ("Q4_K", "Q8_0")
 
 BUILD = """
 from numba.pycc import CC
-from qllama.backends.cpu_gemm import gemm_kquant, gemm_legacy
-from qllama.backends.cpu_gemv import gemv_kquant, gemv_legacy
-from qllama.backends.cpu_simd import Q4_K, Q8_0
+from qllama.backends.numpy.kernels.gemm import gemm_kquant, gemm_legacy
+from qllama.backends.numpy.kernels.gemv import gemv_kquant, gemv_legacy
+from qllama.backends.numpy.kernels.simd import Q4_K, Q8_0
 
 cc = CC("kernels_aot")
 cc.output_dir = {out!r}
@@ -78,9 +78,9 @@ def aot_kernels():
 
 
 def jit_kernels():
-    from qllama.backends import cpu_gemm, cpu_gemv
+    from qllama.backends.numpy.kernels import gemm, gemv
     from qllama.ggml_types import GGMLType
-    family = {"gemm": cpu_gemm.KERNELS, "gemv": cpu_gemv.KERNELS}
+    family = {"gemm": gemm.KERNELS, "gemv": gemv.KERNELS}
     return {(k, f): family[k][int(GGMLType[f])][1] for k, f, _ in CALLS}
 
 

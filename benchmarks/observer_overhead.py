@@ -22,8 +22,7 @@ import time
 from typing import Any
 
 import numpy as np
-
-MESSAGES = [{"role": "user", "content": "Explain how a CPU cache works."}]
+from common import MESSAGES, MODEL
 
 
 def decode_ms(model: Any, prompt: list[int], steps: int, **forward: Any) -> float:
@@ -66,7 +65,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--rounds", type=int, default=5)
     args = p.parse_args()
-    path = args.file or variant("smollm2-135m-instruct", "Q8_0")
+    path = args.file or variant(MODEL, "Q8_0")
     model = qllama.load(path, backend="numpy", kernels=args.kernels)
     prompt = model.apply_chat_template(MESSAGES)
     ms = alternate(model, prompt, args.steps, args.rounds, report=True)

@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from bench import CPU_ROWS, LLAMA_CPP, LLAMA_PERPLEXITY, PPL_CTX, TRANSFORMERS, Config, Outcome
-
-from qllama.atomic import atomic_write
+from common import CPU_ROWS, LLAMA_CPP, LLAMA_PERPLEXITY, PPL_CTX, TRANSFORMERS, Config, Outcome
+from scale import markdown as scale_md
+from serve_load import markdown as serving_md
 
 Row = dict[str, Any]
 
@@ -231,6 +231,10 @@ def observer_md(result: dict[str, Any], info: dict[str, Any]) -> list[str]:
 def write_report(
     path: Path, info: dict[str, Any], outcomes: dict[str, tuple[Config, Outcome]]
 ) -> None:
+    # not at the top: bench.py imports this module, and its worker processes must not load
+    # qllama before they measure its import (the llama.cpp worker runs without it)
+    from qllama.atomic import atomic_write
+
     table, failed = rows(outcomes)
     m, v = info["machine"], info["versions"]
     load = info["load_before"], info["load_after"]
@@ -260,8 +264,6 @@ def write_report(
     if info["tokens"]:  # the SmolLM2 section ran (not `--only scale`)
         lines += smollm2_md(table, info, outcomes)
     if info.get("scale"):
-        from scale import markdown as scale_md
-
         lines += scale_md(info["scale"])
     if info["llama_note"]:
         lines += [f"llama.cpp skipped: {info['llama_note']}.", ""]
@@ -330,8 +332,6 @@ def smollm2_md(
     if info.get("observer"):
         lines += observer_md(info["observer"], info)
     if info.get("serving"):
-        from serve_load import markdown
-
         serving = info["serving"]
-        lines += markdown(serving["results"], serving["info"])
+        lines += serving_md(serving["results"], serving["info"])
     return lines

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from common import MODEL, memory_mb, run_worker
+
 SECTION = "at scale"
 TYPES = ("Q8_0", "Q4_K")  # the synthetic files' weight types
 SMOL = {"Q8_0": "Q8_0", "Q4_K": "Q4_K_M"}  # the 135M file standing for each type
@@ -94,8 +96,8 @@ def write_replicated(path: Path, cfg: Any) -> None:
     from dataclasses import replace
 
     from qllama.ggml_types import ValueType
-    from qllama.gguf_reader import GGUFValue, read_gguf
-    from qllama.gguf_writer import GGUFWriter, copy_metadata
+    from qllama.gguf.reader import GGUFValue, read_gguf
+    from qllama.gguf.writer import GGUFWriter, copy_metadata
     from qllama.synthetic import write_tiny
 
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -141,7 +143,7 @@ def synthetic_file(shape: Shape, weight_type: str, n_layer: int) -> tuple[Path, 
 def streamed_bytes(path: str | os.PathLike[str]) -> int:
     """Bytes of the weights one decode step reads in full: every 2-D tensor but the token
     embedding (a row lookup), which is counted only where it doubles as the output."""
-    from qllama.gguf_reader import read_gguf
+    from qllama.gguf.reader import read_gguf
 
     with read_gguf(path) as f:
         names = {t.name: t for t in f}
@@ -205,11 +207,10 @@ def _context_rate(prefill: Any, step: Any, ids: list[int], job: dict) -> dict:
 def run_context_qllama(job: dict) -> dict:
     """qllama's CPU arithmetic (numba kernels): decode ms/token against context length."""
     import numba
-    from workers import memory_mb
 
     import qllama
     from qllama.array_api import to_numpy
-    from qllama.backends import cpu_kernels  # noqa: F401  (as the other rows load it)
+    from qllama.backends.numpy.kernels import matmul  # noqa: F401  (as the other rows load it)
 
     numba.set_num_threads(job["threads"])
     model = qllama.load(job["file"], backend="numpy", kernels="numba", threads=job["threads"])
@@ -227,7 +228,6 @@ def run_context_qllama(job: dict) -> dict:
 def run_context_llama_cpp(job: dict) -> dict:
     """llama.cpp through llama-cpp-python: decode ms/token against context length."""
     import llama_cpp
-    from workers import memory_mb
 
     ids = token_ids(max(job["contexts"]) + 2 + job["steps"])
     llm = llama_cpp.Llama(
@@ -276,8 +276,6 @@ def selected(args: argparse.Namespace) -> bool:
 
 def run(args: argparse.Namespace, llama_note: str | None) -> dict[str, Any]:
     """Every measurement of the section; what :func:`markdown` reads."""
-    from bench import MODEL, run_worker
-
     from qllama.model_files import variant
     from qllama.synthetic import vocabulary
 

@@ -33,7 +33,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from bench import thread_env  # noqa: E402
+from common import MODEL, thread_env  # noqa: E402
 
 PROMPTS = [
     "Explain how a CPU cache works.",
@@ -404,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     if file is None:
         from qllama.model_files import variant
 
-        file = str(variant("smollm2-135m-instruct", "Q8_0"))
+        file = str(variant(MODEL, "Q8_0"))
     results = []
     for kind in args.servers.split(","):
         if kind not in SERVERS:

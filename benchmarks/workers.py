@@ -12,37 +12,12 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
-
-def memory_mb() -> dict[str, float]:
-    """Resident set size now and its peak (VmHWM), in MB (Linux; else getrusage's peak)."""
-    try:
-        with open("/proc/self/status") as f:
-            fields = dict(line.split(":", 1) for line in f if ":" in line)
-        return {
-            "rss_mb": int(fields["VmRSS"].split()[0]) / 1024,
-            "peak_rss_mb": int(fields["VmHWM"].split()[0]) / 1024,
-        }
-    except (OSError, KeyError, ValueError):
-        import resource
-
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        peak_mb = peak / 2**20 if sys.platform == "darwin" else peak / 1024
-        return {"rss_mb": peak_mb, "peak_rss_mb": peak_mb}
-
-
-def pin_cpus(threads: int) -> list[int]:
-    """Run on ``threads`` CPUs only (where the OS allows it), so that pools sized from the
-    CPU count (XLA's, llama.cpp's repack workers) see the same number as the rest."""
-    if not hasattr(os, "sched_setaffinity"):
-        return []
-    cpus = sorted(os.sched_getaffinity(0))[:threads]
-    os.sched_setaffinity(0, cpus)
-    return cpus
+import scale
+from common import memory_mb, pin_cpus
 
 
 def timed(fn: Callable[[], Any], repeats: int) -> list[float]:
@@ -91,7 +66,7 @@ def run_qllama(job: dict) -> dict:
     if job["backend"] == "numpy" and options.get("kernels", "numba") == "numba":
         import numba
 
-        from qllama.backends import cpu_kernels  # noqa: F401  (its import cost is measured)
+        from qllama.backends.numpy.kernels import matmul  # noqa: F401  (its import cost is measured)
 
         numba.set_num_threads(job["threads"])
         options.setdefault("threads", job["threads"])
@@ -139,11 +114,11 @@ def run_qllama(job: dict) -> dict:
 
 def kernel_isa() -> str:
     """The instructions qllama's compiled kernels are built for in this process."""
-    from qllama.backends import cpu_ir, cpu_simd
+    from qllama.backends.numpy.kernels import llvm_ir, simd
 
-    if cpu_ir.AVX512:
-        return "AVX-512" + (" VNNI" if cpu_simd.VNNI else "")
-    return "AVX2" if cpu_ir.AVX2 else "portable"
+    if llvm_ir.AVX512:
+        return "AVX-512" + (" VNNI" if simd.VNNI else "")
+    return "AVX2" if llvm_ir.AVX2 else "portable"
 
 
 def profile_qllama(model: Any, ids: list[int], job: dict) -> dict:
@@ -185,6 +160,7 @@ def run_observer(job: dict) -> dict:
     """Decode with no observer and with a no-op one, rounds alternating so both see the same
     machine (benchmarks/observer_overhead.py): the hook's cost when no observer is given is
     at most the no-op observer's, whose calls it skips."""
+    # not at the top: it imports numpy, whose memory run_qllama counts in qllama's import
     from observer_overhead import alternate
 
     import qllama
@@ -202,7 +178,7 @@ def run_ids(job: dict) -> dict:
     """The benchmark's token ids: the chat prompt, then ``new_tokens`` greedy tokens of qllama
     (dequantize-all, the F32 file), end-of-turn ignored so that the length is fixed."""
     import qllama
-    from qllama.generation import Sampler, generate_ids
+    from qllama.runtime.generation import Sampler, generate_ids
 
     model = qllama.load(job["file"], dequantize_all=True)
     prompt = model.apply_chat_template(job["messages"])
@@ -333,7 +309,7 @@ def run_perplexity(job: dict) -> dict:
     """qllama perplexity over the corpus's first ``windows`` windows of ``n_ctx``: tokens/s
     of the scoring loop (windows x n_ctx tokens over its wall time; one window of warm-up)."""
     import qllama
-    from qllama import corpus, perplexity
+    from qllama.measure import corpus, perplexity
 
     options = dict(job["options"])
     if options.pop("as_llama_cpp", False):
@@ -366,7 +342,7 @@ def run_llama_perplexity(job: dict) -> dict:
     import subprocess
     import tempfile
 
-    from qllama import corpus
+    from qllama.measure import corpus
 
     text = corpus.text(job["corpus"])
     with tempfile.NamedTemporaryFile("w", suffix=".txt", encoding="utf-8") as f:
@@ -409,9 +385,7 @@ def run_llama_perplexity(job: dict) -> dict:
 def run_scale(job: dict) -> dict:
     """The section "At scale"'s own kinds (benchmarks/scale.py): copy bandwidth, decode
     against context length."""
-    from scale import WORKERS
-
-    return WORKERS[job["kind"]](job)
+    return scale.WORKERS[job["kind"]](job)
 
 
 KINDS: dict[str, Callable[[dict], dict]] = {

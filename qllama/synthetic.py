@@ -16,11 +16,11 @@ from typing import Any
 import numpy as np
 
 from qllama import quants
-from qllama.architectures import architecture
-from qllama.config import ModelConfig
 from qllama.ggml_types import GGMLType, ValueType
-from qllama.gguf_reader import GGUFValue
-from qllama.gguf_writer import GGUFWriter
+from qllama.gguf.reader import GGUFValue
+from qllama.gguf.writer import GGUFWriter
+from qllama.runtime.architectures import architecture
+from qllama.runtime.config import ModelConfig
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
@@ -36,7 +36,7 @@ MERGES = ["Ġ t", "Ġ a", "i n", "h e", "r e", "o n", "Ġt he", "e r", "Ġ s", "
 class TinyConfig:
     """Shape of a synthetic model. Defaults: a llama, 2 layers, 64 wide, GQA 4:2, tied output.
 
-    ``arch`` is any of :data:`qllama.architectures.ARCHITECTURES`; the tensors written are
+    ``arch`` is any of :data:`qllama.runtime.architectures.ARCHITECTURES`; the tensors written are
     the ones its declaration lists (the optional ones as asked: ``biases``, ``rope_freqs``,
     ``fused_qkv``), so a tiny file of each family has exactly what a converted one has.
     """
@@ -230,7 +230,7 @@ def write_tiny(
         meta[f"{a}.attention.value_length"] = u32(cfg.head_dim)
     if cfg.sliding_window:
         meta[f"{a}.attention.sliding_window"] = u32(cfg.sliding_window)
-    if architecture(a).granite_scales:
+    if architecture(a).scales_logits_and_residuals:
         meta[f"{a}.logit_scale"] = f32(2.0)
     meta |= {f"{a}.{k}": v for k, v in cfg.extra_keys}
     for k, v in {**meta, **vocab_meta}.items():

@@ -28,11 +28,11 @@ from bounds import forward_bound
 from conformance import OLDER_CONVERTERS
 
 import qllama
-from qllama.architectures import ARCHITECTURES
 from qllama.array_api import to_numpy
 from qllama.errors import ModelConfigError, QllamaError, TensorShapeError
 from qllama.ggml_types import ValueType
-from qllama.gguf_reader import GGUFValue
+from qllama.gguf.reader import GGUFValue
+from qllama.runtime.architectures import ARCHITECTURES
 from qllama.synthetic import TinyConfig, write_tiny
 
 IDS = [1, 40, 77, 200, 5, 260, 99, 3, 17, 150, 61, 222, 8, 130, 45, 250]  # 16 > the windows
@@ -352,7 +352,7 @@ def test_llama_cpp_tokenizer_vectors(vocab_folder: Path) -> None:
     """Every ggml-vocab-*.gguf with .inp/.out: qllama gives llama.cpp's ids for every text
     (add_special false, parse_special false, as test-tokenizer-0), or refuses the vocabulary
     with a QllamaError at load. At least the families qllama supports must pass."""
-    from qllama.tokenizer import Tokenizer
+    from qllama.runtime.tokenizer import Tokenizer
 
     passed, refused = [], []
     for vocab in sorted(vocab_folder.glob("ggml-vocab-*.gguf")):

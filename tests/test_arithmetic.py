@@ -9,7 +9,6 @@ import pytest
 from bounds import forward_bound
 
 import qllama
-from qllama.arithmetic import ROUTES, SETTINGS, PolicyBackend, resolve
 from qllama.array_api import to_numpy
 from qllama.errors import (
     BackendError,
@@ -19,8 +18,9 @@ from qllama.errors import (
     TensorShapeError,
 )
 from qllama.ggml_types import GGMLType
-from qllama.model import rms_norm
-from qllama.observe import record
+from qllama.runtime.arithmetic import ROUTES, SETTINGS, PolicyBackend, resolve
+from qllama.runtime.model import rms_norm
+from qllama.runtime.observe import record
 from qllama.synthetic import TinyConfig, write_tiny_llama
 
 IDS = [1, 40, 77, 200, 5, 260, 99, 3]

@@ -8,10 +8,10 @@ import json
 import pytest
 
 import qllama
-from qllama.attribution import Measure, attribute, groups
 from qllama.cli import main
-from qllama.compare import Reference, reference_from_model
 from qllama.errors import QllamaError
+from qllama.measure.attribution import Measure, attribute, groups
+from qllama.measure.compare import Reference, reference_from_model
 
 PROMPT = [1, 40, 77, 200, 5]
 NEW = 12

@@ -12,9 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qllama import quants
-from qllama.backends import get_backend, numpy_cpu
+from qllama.backends import get_backend
 from qllama.backends.base import QuantTensor
-from qllama.backends.numpy_cpu import NumpyBackend
+from qllama.backends.numpy import dispatch
+from qllama.backends.numpy.dispatch import NumpyBackend
 from qllama.errors import BackendError, TensorShapeError, UnsupportedTensorTypeError
 from qllama.ggml_types import GGMLType
 
@@ -63,7 +64,7 @@ def bits(x: np.ndarray) -> np.ndarray:
 @pytest.fixture(params=["numpy", "numba"])
 def kernels(request: pytest.FixtureRequest) -> str:
     """The plain numpy path (the oracle) and the compiled kernels, where numba is installed."""
-    if request.param == "numba" and not numpy_cpu.kernels_available():
+    if request.param == "numba" and not dispatch.kernels_available():
         pytest.skip("numba is not installed")
     return request.param
 
@@ -228,7 +229,7 @@ def test_activation_shape_is_checked(ggml_vectors):
 @settings(max_examples=60, deadline=None)
 @given(
     n_kv=st.integers(1, 4),
-    rows=st.integers(1, 2 * numpy_cpu.KEYS_FIRST_ROWS),
+    rows=st.integers(1, 2 * dispatch.KEYS_FIRST_ROWS),
     head=st.sampled_from([32, 64, 80, 96, 128, 256]),
     keys=st.integers(1, 700),
     seed=st.integers(0, 2**32 - 1),
@@ -247,7 +248,7 @@ def test_attention_scores_are_q_times_k_transposed_bit_for_bit(n_kv, rows, head,
 
 
 @pytest.mark.parametrize("exact", [True, False])
-@pytest.mark.parametrize("rows", [3, numpy_cpu.KEYS_FIRST_ROWS + 1])
+@pytest.mark.parametrize("rows", [3, dispatch.KEYS_FIRST_ROWS + 1])
 def test_keys_first_only_for_few_rows_and_where_exact(exact, rows, monkeypatch):
     """The keys go first for at most KEYS_FIRST_ROWS query rows, and only where the probe
     found both orders give the same bits."""
@@ -258,8 +259,8 @@ def test_keys_first_only_for_few_rows_and_where_exact(exact, rows, monkeypatch):
         firsts.append(a.shape[1])
         return matmul(a, b)
 
-    monkeypatch.setattr(numpy_cpu, "keys_first_exact", lambda: exact)
-    monkeypatch.setattr(numpy_cpu.np, "matmul", spy)
+    monkeypatch.setattr(dispatch, "keys_first_exact", lambda: exact)
+    monkeypatch.setattr(dispatch.np, "matmul", spy)
     q, k = np.ones((2, rows, 64), F32), np.ones((2, 300, 64), F32)
     NumpyBackend().attention_scores(q, k)
-    assert firsts == [300 if exact and rows <= numpy_cpu.KEYS_FIRST_ROWS else rows]
+    assert firsts == [300 if exact and rows <= dispatch.KEYS_FIRST_ROWS else rows]

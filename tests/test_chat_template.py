@@ -12,17 +12,17 @@ import numpy as np
 import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from qllama.chat_template import (
+from qllama.errors import ChatTemplateError, QllamaError
+from qllama.gguf.reader import read_gguf
+from qllama.runtime.chat_template import (
     ChatTemplate,
     Limits,
     check_jinja2_version,
     encode_chat,
     render_chat,
 )
-from qllama.errors import ChatTemplateError, QllamaError
-from qllama.gguf_reader import read_gguf
+from qllama.runtime.tokenizer import Tokenizer
 from qllama.synthetic import CHAT_TEMPLATE, write_tiny_llama
-from qllama.tokenizer import Tokenizer
 
 STUDY_MESSAGES = [{"role": "user", "content": "Explain how a CPU cache works."}]
 SMOLLM2_TEXT = (
@@ -575,7 +575,7 @@ def test_phi3_strip_rule_follows_the_model_name(llama_cpp_models: Path) -> None:
     general.name (phi-3 or phi3, any case), not its tokens: the same vocabulary under another
     name keeps the newline, as llama.cpp then does."""
     from qllama.ggml_types import ValueType
-    from qllama.gguf_reader import GGUFValue
+    from qllama.gguf.reader import GGUFValue
 
     f = read_gguf(llama_cpp_models / "ggml-vocab-phi-3.gguf")
     text = "<|user|>\nHi<|end|>\n"

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from qllama.cli import main
-from qllama.gguf_reader import read_gguf
+from qllama.gguf.reader import read_gguf
 from qllama.synthetic import TinyConfig, write_tiny_llama
 
 

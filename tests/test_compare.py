@@ -7,8 +7,8 @@ import pytest
 from bounds import forward_bound, q8_flip_bound
 
 import qllama
-from qllama import compare
 from qllama.errors import QllamaError
+from qllama.measure import compare
 from qllama.synthetic import TinyConfig, write_tiny_llama
 
 

@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 
-from qllama.architectures import ARCHITECTURES, Rope
-from qllama.config import ModelConfig
 from qllama.ggml_types import ValueType
-from qllama.gguf_reader import GGUFFile, GGUFValue, read_gguf
-from qllama.gguf_writer import rewrite
+from qllama.gguf.reader import GGUFFile, GGUFValue, read_gguf
+from qllama.gguf.writer import rewrite
+from qllama.runtime.architectures import ARCHITECTURES, Rope
+from qllama.runtime.config import ModelConfig
 from qllama.synthetic import TinyConfig, write_tiny
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "architectures.md"

@@ -16,9 +16,10 @@ import pytest
 pytest.importorskip("numba")
 
 from qllama import quants
-from qllama.backends import cpu_kernels, numpy_cpu
 from qllama.backends.base import QuantTensor, matmuls
-from qllama.backends.numpy_cpu import NumpyBackend
+from qllama.backends.numpy import dispatch
+from qllama.backends.numpy.dispatch import NumpyBackend
+from qllama.backends.numpy.kernels import gemv
 from qllama.errors import BackendError, TensorShapeError
 from qllama.ggml_types import GGMLType
 
@@ -79,7 +80,7 @@ def agree(got: np.ndarray, want: np.ndarray) -> None:
 @pytest.fixture(params=["serial", "parallel"])
 def parallelism(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """The serial and the parallel (2 threads) kernels, whatever the size of the matmul."""
-    monkeypatch.setattr(numpy_cpu, "SERIAL_MACS", 0 if request.param == "parallel" else 2**62)
+    monkeypatch.setattr(dispatch, "SERIAL_MACS", 0 if request.param == "parallel" else 2**62)
     return request.param
 
 
@@ -163,7 +164,7 @@ def test_q8_0_codes_of_minus_128(tokens, parallelism):
         agree(fast.matmul(x, fast.prepare(ws)), oracle.matmul(x, oracle.prepare(ws)))
     prepared = fast.prepare(w)
     assert prepared.kernels_exact  # a weight without -128 never leaves the kernels
-    assert fast.prepare(bad).kernels_exact == (not cpu_kernels.cpu_gemv.Q8_SIGNED)
+    assert fast.prepare(bad).kernels_exact == (not gemv.Q8_SIGNED)
 
 
 def one_file(qtypes: list[str], rows: list[int], k: int) -> list[QuantTensor]:
@@ -228,17 +229,17 @@ def test_matmuls_that_cannot_share_a_call_are_made_one_by_one():
 @pytest.mark.parametrize("act", ["Q8_0", "Q8_1", "Q8_K"])
 @pytest.mark.parametrize("rounding", ["ref", "simd"])
 def test_activation_quantizers_equal_numpy(act, rounding):
-    from qllama.backends import cpu_quantize
+    from qllama.backends.numpy.kernels import quantize
 
     x = hard_activations(20, 512, seed=9)
     x[3, 7], x[4, 31], x[5, 0], x[6, 40] = np.nan, np.nan, np.inf, -np.inf
     size = quants.get(act).type_size
     want = quants.get(act).unpack(quants.quantize(x, act, rounding=rounding).reshape(-1, size))
     if act == "Q8_K":
-        qs, d, bsums = cpu_quantize.quantize_q8_k(x)
+        qs, d, bsums = quantize.quantize_q8_k(x)
         np.testing.assert_array_equal(bsums.reshape(-1, 16), want["bsums"])
     else:
-        qs, d, s = cpu_quantize.quantize_q8(x, rounding == "simd", act == "Q8_1")
+        qs, d, s = quantize.quantize_q8(x, rounding == "simd", act == "Q8_1")
         if act == "Q8_1":
             np.testing.assert_array_equal(bits(s.reshape(-1, 1)), bits(want["s"]))
     np.testing.assert_array_equal(qs.reshape(want["qs"].shape), want["qs"])
@@ -248,16 +249,16 @@ def test_activation_quantizers_equal_numpy(act, rounding):
 @pytest.mark.parametrize("act", ["Q8_0", "Q8_1", "Q8_K"])
 def test_activation_quantizers_equal_ggml(act, ggml_vectors):
     """Against ggml's own bytes: its reference (``ref``) and AVX2 (``cpu``) quantizers."""
-    from qllama.backends import cpu_quantize
+    from qllama.backends.numpy.kernels import quantize
 
     x = ggml_vectors["acts_f32"]
     size = quants.get(act).type_size
     for source, simd in (("ref", False), ("cpu", True)):
         want = quants.get(act).unpack(ggml_vectors[f"act/{act}/{source}"].reshape(-1, size))
         if act == "Q8_K":
-            qs, d, _ = cpu_quantize.quantize_q8_k(x)
+            qs, d, _ = quantize.quantize_q8_k(x)
         else:
-            qs, d, _ = cpu_quantize.quantize_q8(x, simd, act == "Q8_1")
+            qs, d, _ = quantize.quantize_q8(x, simd, act == "Q8_1")
         np.testing.assert_array_equal(qs.reshape(want["qs"].shape), want["qs"])
         np.testing.assert_array_equal(bits(d.reshape(-1, 1)), bits(want["d"]))
 
@@ -266,7 +267,7 @@ def test_half_rounding_equals_ggmls():
     """The fp16 store of the activation scales: nearest even, overflow, subnormals, NaN."""
     from numba import njit
 
-    from qllama.backends.cpu_quantize import _half
+    from qllama.backends.numpy.kernels.quantize import _half
     from qllama.quants.rounding import fp16
 
     @njit
@@ -290,7 +291,7 @@ def test_half_rounding_equals_ggmls():
     want = fp16(x)
     np.testing.assert_array_equal(bits(got), bits(want))
     # the integer path of hosts without fp16 conversions (F16C), on the same values
-    from qllama.backends.cpu_quantize import _fp16_bits, _widen_fp16
+    from qllama.backends.numpy.kernels.quantize import _fp16_bits, _widen_fp16
 
     @njit
     def each_portable(a, out):
@@ -328,7 +329,7 @@ import numpy as np
 from threadpoolctl import threadpool_info
 from qllama import quants
 from qllama.backends.base import QuantTensor, matmuls
-from qllama.backends.numpy_cpu import NumpyBackend
+from qllama.backends.numpy.dispatch import NumpyBackend
 from qllama.ggml_types import GGMLType
 
 def blas():
@@ -365,13 +366,14 @@ import sys
 
 import numpy as np
 from qllama import quants
-from qllama.backends import cpu_ir, cpu_simd, numpy_cpu
+from qllama.backends.numpy import dispatch
+from qllama.backends.numpy.kernels import llvm_ir, simd
 from qllama.backends.base import QuantTensor, matmuls
-from qllama.backends.numpy_cpu import NumpyBackend
+from qllama.backends.numpy.dispatch import NumpyBackend
 from qllama.ggml_types import GGMLType
 
-assert not cpu_simd.VNNI
-assert cpu_ir.AVX2 == (sys.argv[1] == "avx2")
+assert not simd.VNNI
+assert llvm_ir.AVX2 == (sys.argv[1] == "avx2")
 rng = np.random.default_rng(0)
 for qtype in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
               "IQ4_NL", "IQ4_XS", "MXFP4"):
@@ -384,7 +386,7 @@ for qtype in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q
         fast, oracle = NumpyBackend(kernels="numba", threads=1), NumpyBackend(kernels="numpy")
         got, want = fast.matmul(x, fast.prepare(t)), oracle.matmul(x, oracle.prepare(t))
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (qtype, tokens)
-        if qtype in numpy_cpu.STREAMING_TYPES:  # two weights of one buffer, one call
+        if qtype in dispatch.STREAMING_TYPES:  # two weights of one buffer, one call
             two = QuantTensor("a", t.ggml_type, (4, 512), raw[: raw.size // 2])
             got = fast.matmuls(x, [fast.prepare(two), fast.prepare(t)])
             assert np.array_equal(got[1].view(np.uint32), want.view(np.uint32)), (qtype, tokens)

@@ -9,9 +9,9 @@ import pytest
 
 from qllama import quants
 from qllama.errors import ModelConfigError, UnsupportedTensorTypeError
-from qllama.file_quantizer import FILE_TYPES, plan, quantize_file, use_more_bits, visit_order
-from qllama.gguf_reader import read_gguf
-from qllama.gguf_writer import GGUFWriter
+from qllama.gguf.quantizer import FILE_TYPES, plan, quantize_file, use_more_bits, visit_order
+from qllama.gguf.reader import read_gguf
+from qllama.gguf.writer import GGUFWriter
 from qllama.synthetic import TinyConfig, write_tiny_llama
 
 # SmolLM2-135M's divisibility pattern at a tiny size: 30 layers, rows of 64 (not a multiple
@@ -155,7 +155,7 @@ def test_bad_requests(smollm_like, tmp_path):
 def smollm_imatrix(smollm_like, tmp_path_factory):
     """An importance matrix for every blk.* weight of the SmolLM2-like model (random, as a
     stand-in: the rules only look at its presence)."""
-    from qllama.imatrix import Entry, ImportanceMatrix, write_imatrix
+    from qllama.gguf.imatrix import Entry, ImportanceMatrix, write_imatrix
 
     rng = np.random.default_rng(0)
     entries = {
@@ -189,7 +189,7 @@ def test_new_file_type_compositions(smollm_like, ftype, imatrix, expected):
 
 
 def test_quantizing_with_an_imatrix_uses_each_tensors_entry(smollm_like, smollm_imatrix, tmp_path):
-    from qllama.imatrix import read_imatrix
+    from qllama.gguf.imatrix import read_imatrix
 
     out = tmp_path / "iq4_xs.gguf"
     result = quantize_file(smollm_like, out, "IQ4_XS", imatrix=smollm_imatrix)
@@ -242,7 +242,7 @@ def test_file_types_llama_cpp_cannot_write(smollm_like, tmp_path):
 
 
 def test_experts_are_quantized_with_their_own_slice(tmp_path):
-    from qllama.imatrix import Entry, ImportanceMatrix, write_imatrix
+    from qllama.gguf.imatrix import Entry, ImportanceMatrix, write_imatrix
 
     rng = np.random.default_rng(1)
     w = GGUFWriter()
@@ -266,7 +266,7 @@ def test_experts_are_quantized_with_their_own_slice(tmp_path):
 
 
 def test_every_llama_quantize_name_parses():
-    from qllama.file_quantizer import file_type
+    from qllama.gguf.quantizer import file_type
 
     assert file_type("F32").label == "F32" and file_type("f16").label == "F16"
     assert file_type("Q4_K").label == "Q4_K_M" and file_type("q3_k").label == "Q3_K_M"

@@ -13,7 +13,7 @@ from types import ModuleType
 import pytest
 
 from qllama.errors import GGUFTruncatedError, QllamaError
-from qllama.gguf_reader import GGUFFile
+from qllama.gguf.reader import GGUFFile
 
 
 def _harness() -> ModuleType:

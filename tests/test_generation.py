@@ -8,7 +8,7 @@ import pytest
 import qllama
 from qllama.array_api import to_numpy
 from qllama.errors import ContextOverflowError, QllamaError
-from qllama.generation import Sampler, SamplingError
+from qllama.runtime.generation import Sampler, SamplingError
 from qllama.synthetic import TinyConfig, write_tiny_llama
 
 
@@ -54,9 +54,11 @@ def test_sampler_distribution():
 
 
 def test_stream_pieces_make_the_text(model):
-    out = qllama.generation.Generation(prompt_ids=[])
+    out = qllama.runtime.generation.Generation(prompt_ids=[])
     pieces = list(
-        qllama.generation.stream(model, [1, 30], out, max_new_tokens=25, temperature=1.0, seed=1)
+        qllama.runtime.generation.stream(
+            model, [1, 30], out, max_new_tokens=25, temperature=1.0, seed=1
+        )
     )
     assert "".join(pieces) == out.text
     assert out.text == model.tokenizer.decode(
@@ -88,9 +90,11 @@ class Scripted:
 def test_finish_reasons(model):
     eos = model.tokenizer.eos_id
     a, b = model.tokenizer.encode("a"), model.tokenizer.encode("b")
-    g = qllama.generation.generate(Scripted(model, [a[0], b[0], eos, a[0]]), [1], max_new_tokens=10)
+    g = qllama.runtime.generation.generate(
+        Scripted(model, [a[0], b[0], eos, a[0]]), [1], max_new_tokens=10
+    )
     assert (g.ids, g.text, g.finish_reason) == ([a[0], b[0], eos], "ab", "eos")
-    g = qllama.generation.generate(Scripted(model, [a[0]]), [1], max_new_tokens=3)
+    g = qllama.runtime.generation.generate(Scripted(model, [a[0]]), [1], max_new_tokens=3)
     assert (g.text, g.finish_reason) == ("aaa", "length")
     assert model.generate([1, 30], max_new_tokens=0).ids == []
 

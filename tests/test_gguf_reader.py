@@ -15,7 +15,6 @@ import pytest
 from gguf_bytes import Gguf, kv, kv_str, kv_u32, s, tensor_info, valid_file
 
 from qllama import errors
-from qllama import gguf_reader as gr
 from qllama.errors import (
     GGUFDuplicateError,
     GGUFFormatError,
@@ -30,7 +29,8 @@ from qllama.errors import (
     TensorShapeError,
 )
 from qllama.ggml_types import GGMLType
-from qllama.gguf_reader import GGUFFile, read_gguf
+from qllama.gguf import reader as gr
+from qllama.gguf.reader import GGUFFile, read_gguf
 
 ARRAY, STRING, UINT8, BOOL, INT32 = 9, 8, 0, 7, 5
 

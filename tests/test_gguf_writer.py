@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from qllama import quants
 from qllama.ggml_types import ValueType
-from qllama.gguf_reader import GGUFValue, read_gguf
-from qllama.gguf_writer import GGUFWriter
+from qllama.gguf.reader import GGUFValue, read_gguf
+from qllama.gguf.writer import GGUFWriter
 
 SCALARS = {
     ValueType.UINT8: st.integers(0, 2**8 - 1),

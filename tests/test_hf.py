@@ -28,7 +28,6 @@ from test_architectures import FAMILIES, IDS  # noqa: E402
 import qllama  # noqa: E402
 from qllama.array_api import to_numpy  # noqa: E402
 from qllama.errors import UnsupportedOptionError  # noqa: E402
-from qllama.generation import Sampler, generate_ids  # noqa: E402
 from qllama.hf import (  # noqa: E402
     TRANSFORMERS_RANGE,
     QllamaCache,
@@ -39,6 +38,7 @@ from qllama.hf import (  # noqa: E402
 )
 from qllama.hf.cache import RowsLayer  # noqa: E402
 from qllama.hf.model import CACHE_FIELD  # noqa: E402
+from qllama.runtime.generation import Sampler, generate_ids  # noqa: E402
 from qllama.synthetic import TinyConfig, write_tiny  # noqa: E402
 
 # a Q8_0 llama: the CPU arithmetic really quantizes activations (F32 weights would not)
@@ -105,7 +105,7 @@ def np_logits(x: Any) -> np.ndarray:
 
 
 def test_logits_are_qllamas(model: QllamaForCausalLM) -> None:
-    """model(ids).logits is Llama.forward's, bit for bit; logits_to_keep=1 its last-only pass."""
+    """model(ids).logits is Model.forward's, bit for bit; logits_to_keep=1 its last-only pass."""
     ids = torch.tensor([PROMPT])
     every = model(ids).logits[0].numpy()
     np.testing.assert_array_equal(every, np_logits(model.llm.forward(PROMPT, 0, all_logits=True)))
@@ -297,7 +297,7 @@ def test_num_return_sequences(q8: QllamaForCausalLM) -> None:
 def recorded(
     m: QllamaForCausalLM, monkeypatch: pytest.MonkeyPatch
 ) -> list[tuple[list[int], int, bool]]:
-    """Every Llama.forward call the adapter makes: (ids, pos, all_logits)."""
+    """Every Model.forward call the adapter makes: (ids, pos, all_logits)."""
     calls: list[tuple[list[int], int, bool]] = []
     plain = m.llm.forward
 
@@ -456,7 +456,7 @@ def test_hidden_states_are_transformers(tmp_path: Path) -> None:
     """transformers' own LlamaForCausalLM on the same F32 file: embeddings, every block's
     output and the final norm's, within the forward bound; selecting by index keeps those."""
     pytest.importorskip("gguf")
-    from qllama.reference import load_transformers
+    from qllama.measure.reference import load_transformers
 
     path = tmp_path / "f32.gguf"
     write_tiny(path, dataclasses.replace(TINY, weight_type="F32", tied=False))

@@ -2,7 +2,7 @@
 
 Tasks are read from a local dataset file (tests/data/lm_eval_tiny.jsonl), so nothing is
 downloaded. lm-eval tokenizes (its own context/continuation split) and batches; the scores
-must be qllama's: each loglikelihood equals log-softmax sums of ``Llama.forward`` over the same
+must be qllama's: each loglikelihood equals log-softmax sums of ``Model.forward`` over the same
 tokens, in one pass as lm-eval runs them (batch size 1: the same chunk, so the same logits).
 """
 
@@ -22,8 +22,8 @@ pytest.importorskip("lm_eval")
 from bounds import forward_bound, gamma  # noqa: E402
 
 from qllama.array_api import to_numpy  # noqa: E402
-from qllama.generation import Sampler, generate_ids  # noqa: E402
 from qllama.hf import QllamaForCausalLM, QllamaTokenizer  # noqa: E402
+from qllama.runtime.generation import Sampler, generate_ids  # noqa: E402
 from qllama.synthetic import TinyConfig, write_tiny  # noqa: E402
 
 DATA = Path(__file__).parent / "data" / "lm_eval_tiny.jsonl"

@@ -17,11 +17,11 @@ transformers = pytest.importorskip("transformers")
 from test_architectures import SEPARATOR, vocab_folder  # noqa: E402, F401  (a fixture)
 
 import qllama  # noqa: E402
-from qllama.chat_template import ChatTemplate  # noqa: E402
 from qllama.errors import ChatTemplateError, QllamaError, UnsupportedOptionError  # noqa: E402
 from qllama.hf import QllamaTokenizer  # noqa: E402
+from qllama.runtime.chat_template import ChatTemplate  # noqa: E402
+from qllama.runtime.tokenizer import Tokenizer  # noqa: E402
 from qllama.synthetic import TinyConfig, write_tiny  # noqa: E402
-from qllama.tokenizer import Tokenizer  # noqa: E402
 
 MESSAGES = [
     {"role": "system", "content": "Be brief."},
@@ -37,7 +37,7 @@ def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 
 
 @pytest.fixture(scope="module")
-def pair(tiny: Path) -> tuple[QllamaTokenizer, qllama.model.Llama]:
+def pair(tiny: Path) -> tuple[QllamaTokenizer, qllama.runtime.model.Model]:
     llm = qllama.load(tiny)
     return QllamaTokenizer.from_llm(llm), llm
 
@@ -93,7 +93,7 @@ def test_transformers_gguf_tokenizer_gives_llama_cpps_ids(smollm2_path: Path) ->
     assert theirs(text, add_special_tokens=False)["input_ids"] == [256, 36, 34]
 
 
-def test_encode_is_qllamas(pair: tuple[QllamaTokenizer, qllama.model.Llama]) -> None:
+def test_encode_is_qllamas(pair: tuple[QllamaTokenizer, qllama.runtime.model.Model]) -> None:
     """add_special_tokens adds BOS/EOS as the file says, exactly qllama's encode; special
     tokens in text are recognised unless split_special_tokens."""
     tok, llm = pair
@@ -111,7 +111,7 @@ def test_encode_is_qllamas(pair: tuple[QllamaTokenizer, qllama.model.Llama]) -> 
     assert batch["input_ids"].shape[0] == 2 and batch["attention_mask"][1, 0] == 0  # left
 
 
-def test_decode_is_qllamas(pair: tuple[QllamaTokenizer, qllama.model.Llama]) -> None:
+def test_decode_is_qllamas(pair: tuple[QllamaTokenizer, qllama.runtime.model.Model]) -> None:
     tok, llm = pair
     q = llm.tokenizer
     ids = q.encode("Hello<|im_start|> the world, 世界")
@@ -121,7 +121,9 @@ def test_decode_is_qllamas(pair: tuple[QllamaTokenizer, qllama.model.Llama]) -> 
     assert tok.decode(torch.tensor(ids)) == q.decode(ids)
 
 
-def test_vocabulary_and_special_tokens(pair: tuple[QllamaTokenizer, qllama.model.Llama]) -> None:
+def test_vocabulary_and_special_tokens(
+    pair: tuple[QllamaTokenizer, qllama.runtime.model.Model],
+) -> None:
     tok, llm = pair
     q = llm.tokenizer
     assert len(tok) == tok.vocab_size == q.n_vocab
@@ -133,7 +135,7 @@ def test_vocabulary_and_special_tokens(pair: tuple[QllamaTokenizer, qllama.model
 
 
 def test_chat_template_is_the_files_in_qllamas_sandbox(
-    pair: tuple[QllamaTokenizer, qllama.model.Llama],
+    pair: tuple[QllamaTokenizer, qllama.runtime.model.Model],
 ) -> None:
     tok, llm = pair
     assert tok.chat_template == llm.chat_template.source
@@ -152,7 +154,7 @@ def test_chat_template_is_the_files_in_qllamas_sandbox(
         tok.apply_chat_template(MESSAGES, chat_template=loop)
 
 
-def test_continue_final_message(pair: tuple[QllamaTokenizer, qllama.model.Llama]) -> None:
+def test_continue_final_message(pair: tuple[QllamaTokenizer, qllama.runtime.model.Model]) -> None:
     tok, _ = pair
     chat = [*MESSAGES, {"role": "assistant", "content": "The world is"}]
     text = tok.apply_chat_template(chat, continue_final_message=True, tokenize=False)
@@ -162,7 +164,7 @@ def test_continue_final_message(pair: tuple[QllamaTokenizer, qllama.model.Llama]
         tok.apply_chat_template(chat, continue_final_message=True, add_generation_prompt=True)
 
 
-def test_refusals(pair: tuple[QllamaTokenizer, qllama.model.Llama], tmp_path: Path) -> None:
+def test_refusals(pair: tuple[QllamaTokenizer, qllama.runtime.model.Model], tmp_path: Path) -> None:
     tok, llm = pair
     with pytest.raises(UnsupportedOptionError, match="no transformers files"):
         tok.save_pretrained(tmp_path)

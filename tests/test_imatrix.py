@@ -8,13 +8,14 @@ import struct
 import numpy as np
 import pytest
 
-from qllama import imatrix
-from qllama.backends.numpy_cpu import NumpyBackend
+from qllama.backends.numpy.dispatch import NumpyBackend
 from qllama.errors import ImatrixError
-from qllama.gguf_reader import read_gguf
-from qllama.gguf_writer import GGUFWriter
-from qllama.loader import load
-from qllama.model import rms_norm
+from qllama.gguf import imatrix
+from qllama.gguf.reader import read_gguf
+from qllama.gguf.writer import GGUFWriter
+from qllama.measure import importance
+from qllama.runtime.loader import load
+from qllama.runtime.model import rms_norm
 from qllama.synthetic import TinyConfig, write_tiny_llama
 
 F32 = np.float32
@@ -31,7 +32,7 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def matrix(tiny):
-    return imatrix.from_corpus(tiny, TEXT, n_ctx=CTX, dataset="corpus.txt")
+    return importance.from_corpus(tiny, TEXT, n_ctx=CTX, dataset="corpus.txt")
 
 
 def test_entries_are_the_block_matmuls(matrix):
@@ -49,7 +50,7 @@ def test_sums_are_the_squares_of_the_activations_in_token_order(tiny, matrix):
     """blk.0.attn_q's input is the first attention norm of the embeddings: its squares summed
     row by row in float32 over every chunk, exactly."""
     model = load(tiny, backend="numpy")
-    tokens = imatrix.tokenize(model.tokenizer, TEXT)
+    tokens = importance.tokenize(model.tokenizer, TEXT)
     emb = model.source.tensor_data("token_embd.weight").view("<f4").reshape(-1, 64)
     norm = model.weights.layers[0].attn_norm
     acc = np.zeros(64, F32)
@@ -73,7 +74,7 @@ class _Recorder:
 
         self.tokenizer = Tok()
         self.tokenizer.add_bos = add_bos
-        self.backend = imatrix.Collector(NumpyBackend(kernels="numpy"))
+        self.backend = importance.Collector(NumpyBackend(kernels="numpy"))
         self.chunks: list[list[int]] = []
 
     def forward(self, ids, pos, *, all_logits):
@@ -85,7 +86,7 @@ class _Recorder:
 def test_chunks_start_over_with_bos_and_drop_the_tail(add_bos):
     model = _Recorder(add_bos)
     tokens = list(range(10, 10 + 3 * 20 + 7))
-    imatrix.compute(model, tokens, n_ctx=20)
+    importance.compute(model, tokens, n_ctx=20)
     assert len(model.chunks) == 3  # the 7 left over are not run
     for i, chunk in enumerate(model.chunks):
         want = tokens[i * 20 : (i + 1) * 20]
@@ -93,7 +94,7 @@ def test_chunks_start_over_with_bos_and_drop_the_tail(add_bos):
             want[0] = 1
         assert chunk == want
     model = _Recorder(add_bos)
-    imatrix.compute(model, tokens, n_ctx=20, n_chunks=2)
+    importance.compute(model, tokens, n_ctx=20, n_chunks=2)
     assert len(model.chunks) == 2
 
 
@@ -101,31 +102,31 @@ def test_skipped_chunks_are_not_run():
     # llama-imatrix --chunk N: the first N chunks' tokens are dropped before chunking
     model = _Recorder(False)
     tokens = list(range(5 * 20 + 3))
-    imatrix.compute(model, tokens, n_ctx=20, skip_chunks=2)
+    importance.compute(model, tokens, n_ctx=20, skip_chunks=2)
     assert model.chunks == [tokens[40:60], tokens[60:80], tokens[80:100]]
     model = _Recorder(False)
-    imatrix.compute(model, tokens, n_ctx=20, n_chunks=1, skip_chunks=3)
+    importance.compute(model, tokens, n_ctx=20, n_chunks=1, skip_chunks=3)
     assert model.chunks == [tokens[60:80]]
     # refused, as llama-imatrix does, unless more than two chunks' tokens are left
     with pytest.raises(ImatrixError, match="after skipping 4 chunks"):
-        imatrix.compute(_Recorder(False), list(range(6 * 20)), n_ctx=20, skip_chunks=4)
+        importance.compute(_Recorder(False), list(range(6 * 20)), n_ctx=20, skip_chunks=4)
     with pytest.raises(ImatrixError, match="skip_chunks must be 0 or more"):
-        imatrix.compute(_Recorder(False), tokens, n_ctx=20, skip_chunks=-1)
+        importance.compute(_Recorder(False), tokens, n_ctx=20, skip_chunks=-1)
 
 
 def test_too_short_a_corpus_is_refused():
     with pytest.raises(ImatrixError, match="at least 2 \\* n_ctx = 40"):
-        imatrix.compute(_Recorder(False), list(range(39)), n_ctx=20)
+        importance.compute(_Recorder(False), list(range(39)), n_ctx=20)
 
 
 def test_short_batches_are_not_collected(tiny):
     # llama-imatrix ignores matmuls of fewer than 16 rows
-    m = imatrix.from_corpus(tiny, TEXT, n_ctx=8, n_chunks=3)
+    m = importance.from_corpus(tiny, TEXT, n_ctx=8, n_chunks=3)
     assert m.entries == {} and m.chunk_count == 0
 
 
 def test_output_is_collected_when_asked(tiny):
-    m = imatrix.from_corpus(tiny, TEXT, n_ctx=CTX, n_chunks=2, process_output=True)
+    m = importance.from_corpus(tiny, TEXT, n_ctx=CTX, n_chunks=2, process_output=True)
     assert m.entries["output.weight"].counts.tolist() == [2 * CTX]
 
 
@@ -186,7 +187,7 @@ def _write_gguf(path, kv=None, tensors=()):
         if v is not None:
             w.add(k, v)
     from qllama.ggml_types import ValueType
-    from qllama.gguf_reader import GGUFValue
+    from qllama.gguf.reader import GGUFValue
 
     if not kv or "imatrix.chunk_count" not in kv:
         w.add("imatrix.chunk_count", GGUFValue(ValueType.UINT32, 1))

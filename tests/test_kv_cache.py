@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from qllama.array_api import namespace, to_numpy
-from qllama.kv_cache import CAPACITY_STEP, KVCache
+from qllama.runtime.kv_cache import CAPACITY_STEP, KVCache
 
 NAMESPACES = ["numpy", "torch", "array_api_strict"]
 

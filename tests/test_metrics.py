@@ -7,7 +7,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from qllama import metrics
+from qllama.measure import metrics
 
 
 def test_identical_logits_give_zero_divergence():

@@ -31,8 +31,8 @@ from qllama.errors import (
     WeightValueError,
 )
 from qllama.ggml_types import INTEGER_VALUE_TYPES, GGMLType, ValueType
-from qllama.gguf_reader import GGUFValue, read_gguf
-from qllama.gguf_writer import GGUFWriter
+from qllama.gguf.reader import GGUFValue, read_gguf
+from qllama.gguf.writer import GGUFWriter
 from qllama.synthetic import TinyConfig, write_tiny_llama
 
 # 2 layers, 32 wide, 2 query heads of 16 sharing 1 kv head, separate output, Q8_0 weights

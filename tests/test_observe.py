@@ -12,8 +12,8 @@ from bounds import forward_bound
 import qllama
 from qllama.array_api import to_numpy
 from qllama.errors import QllamaError
-from qllama.model import rms_norm
-from qllama.observe import Recorder, Trace, record, resolve_positions
+from qllama.runtime.model import rms_norm
+from qllama.runtime.observe import Recorder, Trace, record, resolve_positions
 
 # (backend, options): every arithmetic the forward pass runs under
 SETUPS = {
@@ -149,7 +149,7 @@ def test_transformers_values_align_with_qllamas_by_name(tiny_variants):
     the wrong place, or Q/K left in transformers' order, would be off by O(1)."""
     if importlib.util.find_spec("transformers") is None:
         pytest.skip("transformers is not installed")
-    from qllama.reference import transformers_trace
+    from qllama.measure.reference import transformers_trace
 
     path = tiny_variants["F32"]
     ref = transformers_trace(path, IDS, qkv=True)

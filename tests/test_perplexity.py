@@ -11,9 +11,9 @@ from bounds import forward_bound
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qllama import kld_base, metrics, perplexity
 from qllama.errors import QllamaError
-from qllama.loader import load
+from qllama.measure import kld_base, metrics, perplexity
+from qllama.runtime.loader import load
 from qllama.synthetic import TinyConfig, write_tiny_llama
 
 TEXT = (
@@ -196,7 +196,7 @@ def test_transformers_scorer_gives_the_same_logits(tiny: Path):
     """The f32 reference as a scorer: transformers on the same file and window (float32 in
     another order: the forward-pass bound)."""
     pytest.importorskip("transformers")
-    from qllama.reference import load_transformers
+    from qllama.measure.reference import load_transformers
 
     model = load(tiny, dequantize_all=True)
     w = perplexity.windows(perplexity.tokenize(model.tokenizer, TEXT), 64, n_chunks=2)
@@ -216,7 +216,7 @@ def test_kv_precisions_round_what_llama_cpp_rounds(precision, stored_half, opera
     """f16: llama.cpp without flash attention (K, V, Q and P in half); f16-flash: its tiled
     CPU flash attention (K and V stored in half, Q and P float32)."""
     from qllama.array_api import namespace
-    from qllama.kv_cache import KVCache
+    from qllama.runtime.kv_cache import KVCache
 
     xp = namespace("numpy")
     rng = np.random.default_rng(3)

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qllama import kld_base, metrics
+from qllama.measure import kld_base, metrics
 
 N_CTX, VOCAB, CHUNKS = 16, 301, 3
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from qllama import perplexity
 from qllama.cli import main
+from qllama.measure import perplexity
 from qllama.synthetic import TinyConfig, write_tiny_llama
 
 TEXT = "Now is the winter of our discontent made glorious summer by this sun of York. " * 40

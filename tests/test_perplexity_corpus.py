@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from qllama import corpus
 from qllama import model_files as fetch_mod
 from qllama.errors import FetchError
+from qllama.measure import corpus
 from qllama.model_files import ModelSource
 
 BOOK = (

@@ -15,9 +15,9 @@ from hypothesis.extra import numpy as hnp
 
 from qllama import quants
 from qllama.array_api import to_numpy
-from qllama.backends import numpy_cpu
 from qllama.backends.base import QuantTensor
-from qllama.backends.numpy_cpu import KERNEL_IQ, NumpyBackend
+from qllama.backends.numpy import dispatch
+from qllama.backends.numpy.dispatch import KERNEL_IQ, NumpyBackend
 from qllama.errors import ImatrixError, WeightValueError
 from qllama.ggml_types import GGMLType
 from qllama.quants import iq1_search, iq_grids, iq_search
@@ -123,7 +123,7 @@ def test_sign_bytes_are_ggmls_expansion():
 @pytest.fixture(params=["numpy", "numba"])
 def search(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """The neighbour search in numpy (the oracle) and compiled, where numba is installed."""
-    if request.param == "numba" and not numpy_cpu.kernels_available():
+    if request.param == "numba" and not dispatch.kernels_available():
         pytest.skip("numba is not installed")
     monkeypatch.setattr(iq_grids, "USE_COMPILED", request.param == "numba")
     return request.param
@@ -265,7 +265,7 @@ def test_quantize_is_deterministic_and_zero_rows_are_zero(qtype):
 def kernel_modes(qtype: str) -> list[str]:
     """The plain numpy path, and the compiled kernels where the type has one."""
     modes = ["numpy"]
-    if GGMLType[qtype] in KERNEL_IQ and numpy_cpu.kernels_available():
+    if GGMLType[qtype] in KERNEL_IQ and dispatch.kernels_available():
         modes.append("numba")
     return modes
 
@@ -305,14 +305,14 @@ def test_activations_are_ggmls_q8_k(vectors):
     )
 
 
-@pytest.mark.skipif(not numpy_cpu.kernels_available(), reason="numba is not installed")
+@pytest.mark.skipif(not dispatch.kernels_available(), reason="numba is not installed")
 @pytest.mark.parametrize("qtype", sorted(t.name for t in KERNEL_IQ))
 @pytest.mark.parametrize("tokens", [1, 5, 33])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_kernels_equal_the_oracle(qtype, tokens, threads, vectors, monkeypatch):
     """Random bytes (every index, sign and scale) against hard activations: zeros, ties,
     huge, infinite and NaN values; serial and parallel kernels, few and many tokens."""
-    monkeypatch.setattr(numpy_cpu, "SERIAL_MACS", 0 if threads == 2 else 2**62)
+    monkeypatch.setattr(dispatch, "SERIAL_MACS", 0 if threads == 2 else 2**62)
     raw = vectors[f"random/{qtype}/bytes"][:5]
     rng = np.random.default_rng(tokens)
     x = (rng.standard_normal((tokens, N)) * 3).astype(F32)

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from qllama import quants
 from qllama.array_api import to_numpy
 from qllama.backends.base import QuantTensor
-from qllama.backends.numpy_cpu import NumpyBackend
+from qllama.backends.numpy.dispatch import NumpyBackend
 from qllama.errors import ImatrixError
 from qllama.ggml_types import GGMLType
 from qllama.quants import fp4, iq4_nl, iq4_search

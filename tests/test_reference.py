@@ -30,7 +30,7 @@ def _installed(name: str) -> None:
 def f32_reference():
     """transformers f32 eager on qllama's F32 file: 300 greedy tokens, every position's logits."""
     _installed("transformers")
-    from qllama.reference import transformers_reference
+    from qllama.measure.reference import transformers_reference
 
     path = variant("smollm2-135m-instruct", "F32")
     model = qllama.load(path, dequantize_all=True)

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import qllama
-from qllama import backends, generation
+from qllama import backends
 from qllama.atomic import atomic_write
 from qllama.errors import (
     BackendError,
@@ -36,11 +36,12 @@ from qllama.errors import (
     SequenceError,
     TokenizerError,
 )
-from qllama.file_quantizer import quantize_file
-from qllama.generation import Generation, SamplingError
-from qllama.gguf_reader import read_gguf
-from qllama.gguf_writer import GGUFWriter
-from qllama.model import Llama
+from qllama.gguf.quantizer import quantize_file
+from qllama.gguf.reader import read_gguf
+from qllama.gguf.writer import GGUFWriter
+from qllama.runtime import generation
+from qllama.runtime.generation import Generation, SamplingError
+from qllama.runtime.model import Model
 from qllama.synthetic import TinyConfig, write_tiny_llama
 
 SMALL = TinyConfig(n_layer=2, n_embd=32, n_ff=64, n_head=2, n_head_kv=1, n_ctx=64)
@@ -58,11 +59,11 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture
-def model(files: dict[str, Path]) -> Llama:
+def model(files: dict[str, Path]) -> Model:
     return qllama.load(files["gpt2"], n_ctx=N_CTX)
 
 
-def script(model: Llama, ids: Sequence[int], *, nan_at: int | None = None) -> list[int]:
+def script(model: Model, ids: Sequence[int], *, nan_at: int | None = None) -> list[int]:
     """Make greedy decoding pick ``ids`` in turn (NaN logits at call ``nan_at``); the real
     forward still runs on every call. Returns the list of calls' token counts."""
     real, calls = model.forward, []
@@ -84,7 +85,7 @@ def script(model: Llama, ids: Sequence[int], *, nan_at: int | None = None) -> li
 # --- G42: empty prompt, max_new_tokens=0 ------------------------------------------------------
 
 
-def test_G42_forward_of_nothing(model: Llama) -> None:
+def test_G42_forward_of_nothing(model: Model) -> None:
     with pytest.raises(InvalidTokenError, match=r"no tokens to run \(empty prompt\)"):
         model.forward([])
     with pytest.raises(InvalidTokenError, match="empty prompt"):
@@ -92,7 +93,7 @@ def test_G42_forward_of_nothing(model: Llama) -> None:
 
 
 @pytest.mark.parametrize("prompt", ["", [], b""])
-def test_G42_empty_prompt_without_bos_is_an_error(model: Llama, prompt: Any) -> None:
+def test_G42_empty_prompt_without_bos_is_an_error(model: Model, prompt: Any) -> None:
     assert not model.tokenizer.add_bos
     with pytest.raises(InvalidTokenError, match="empty prompt"):
         model.generate(prompt, max_new_tokens=3)
@@ -106,14 +107,14 @@ def test_G42_empty_prompt_with_bos_generates(files: dict[str, Path]) -> None:
 
 
 @pytest.mark.parametrize("prompt", ["the cat", [3, 4], ""])
-def test_G42_zero_new_tokens_is_an_empty_result(model: Llama, prompt: Any) -> None:
+def test_G42_zero_new_tokens_is_an_empty_result(model: Model, prompt: Any) -> None:
     calls = script(model, [])
     out = model.generate(prompt, max_new_tokens=0)
     assert (out.ids, out.text, out.finish_reason) == ([], "", "length")
     assert calls == []  # no forward pass at all
 
 
-def test_G42_negative_new_tokens(model: Llama) -> None:
+def test_G42_negative_new_tokens(model: Model) -> None:
     with pytest.raises(SamplingError, match="max_new_tokens must be >= 0, not -1"):
         model.generate("the", max_new_tokens=-1)
 
@@ -122,7 +123,7 @@ def test_G42_negative_new_tokens(model: Llama) -> None:
 
 
 @pytest.mark.parametrize("bad", [-1, N_VOCAB, 2**31, 10**20])
-def test_G43_ids_out_of_range(model: Llama, bad: int) -> None:
+def test_G43_ids_out_of_range(model: Model, bad: int) -> None:
     with pytest.raises(InvalidTokenError, match=rf"token\[1\] = {bad} is outside \[0, {N_VOCAB}\)"):
         model.forward([5, bad])
     with pytest.raises(InvalidTokenError, match=rf"token\[1\] = {bad}"):
@@ -139,7 +140,7 @@ def test_G43_ids_out_of_range(model: Llama, bad: int) -> None:
 @pytest.mark.parametrize(
     "bad", [[1.5], ["3"], [None], [[1, 2]], np.array([1.5]), np.array([[1, 2]]), "ab"]
 )
-def test_G43_ids_that_are_not_integers(model: Llama, bad: Any) -> None:
+def test_G43_ids_that_are_not_integers(model: Model, bad: Any) -> None:
     """Refused, not truncated: forward([1.5]) must not run token 1."""
     with pytest.raises(InvalidTokenError, match="not an integer|1-D"):
         model.forward(bad)
@@ -151,7 +152,7 @@ def test_G43_ids_that_are_not_integers(model: Llama, bad: Any) -> None:
 @pytest.mark.parametrize(
     ("pos", "message"), [(5, "past the cached"), (-1, "pos -1"), (0.5, "integer")]
 )
-def test_G43_positions(model: Llama, pos: Any, message: str) -> None:
+def test_G43_positions(model: Model, pos: Any, message: str) -> None:
     with pytest.raises(SequenceError, match=message):
         model.forward([1], pos=pos)
 
@@ -159,13 +160,13 @@ def test_G43_positions(model: Llama, pos: Any, message: str) -> None:
 # --- G44: the context ---------------------------------------------------------------------------
 
 
-def test_G44_prompt_longer_than_the_context(model: Llama) -> None:
+def test_G44_prompt_longer_than_the_context(model: Model) -> None:
     with pytest.raises(ContextOverflowError, match="9 tokens do not fit in the context of 8") as e:
         model.forward(list(range(9)))
     assert (e.value.n_tokens, e.value.n_ctx) == (9, N_CTX)
 
 
-def test_G44_positions_reaching_the_end_of_the_context(model: Llama) -> None:
+def test_G44_positions_reaching_the_end_of_the_context(model: Model) -> None:
     model.forward(list(range(1, 9)))  # exactly full
     with pytest.raises(ContextOverflowError) as e:
         model.forward([1], pos=8)
@@ -173,7 +174,7 @@ def test_G44_positions_reaching_the_end_of_the_context(model: Llama) -> None:
     assert model.forward([1, 2], pos=0).shape == (N_VOCAB,)  # a new sequence still runs
 
 
-def test_G44_generate_refuses_a_prompt_over_the_context(model: Llama) -> None:
+def test_G44_generate_refuses_a_prompt_over_the_context(model: Model) -> None:
     calls = script(model, [])
     with pytest.raises(ContextOverflowError, match="the prompt has 9 tokens, more than") as e:
         model.generate(list(range(1, 10)), max_new_tokens=1)
@@ -183,7 +184,7 @@ def test_G44_generate_refuses_a_prompt_over_the_context(model: Llama) -> None:
 
 @pytest.mark.parametrize(("n_prompt", "expected"), [(6, 3), (8, 1), (1, 8)])
 def test_G44_generation_stops_at_the_end_of_the_context(
-    model: Llama, n_prompt: int, expected: int
+    model: Model, n_prompt: int, expected: int
 ) -> None:
     """n_ctx positions give n_ctx logits: n_ctx - n_prompt + 1 new tokens, then "length"."""
     out = model.generate(list(range(3, 3 + n_prompt)), max_new_tokens=50)
@@ -251,7 +252,7 @@ def test_G45_generate_never_emits_a_token_from_nan_logits(
     assert seen == [] and result.ids == []
 
 
-def test_G45_nan_logits_at_a_later_step(model: Llama) -> None:
+def test_G45_nan_logits_at_a_later_step(model: Model) -> None:
     script(model, [100, 101, 102, 103], nan_at=2)
     result = Generation(prompt_ids=[])
     with pytest.raises(NonFiniteLogitsError, match=r"step 2 \(the logits of position 4\)"):
@@ -286,7 +287,7 @@ def test_G45_activation_over_the_f16_maximum(files: dict[str, Path], tmp_path: P
     ],
 )
 def test_G45_non_finite_sampling_parameters(
-    model: Llama, option: str, value: float, message: str
+    model: Model, option: str, value: float, message: str
 ) -> None:
     calls = script(model, [])
     with pytest.raises(SamplingError, match=message):
@@ -305,7 +306,7 @@ def test_G46_invalid_text_is_replaced(files: dict[str, Path], prompt: str | byte
     assert model.tokenizer.decode(out.prompt_ids).count("\ufffd") >= 1
 
 
-def test_G46_the_length_cap_comes_before_tokenizing(model: Llama) -> None:
+def test_G46_the_length_cap_comes_before_tokenizing(model: Model) -> None:
     huge = "a" * (model.tokenizer.max_chars + 1)  # 10^7 + 1 characters
     calls = script(model, [])
     tracemalloc.start()
@@ -316,7 +317,7 @@ def test_G46_the_length_cap_comes_before_tokenizing(model: Llama) -> None:
     assert peak < 1 << 20 and calls == []
 
 
-def test_G46_a_long_prompt_overflows_the_context_before_any_forward(model: Llama) -> None:
+def test_G46_a_long_prompt_overflows_the_context_before_any_forward(model: Model) -> None:
     calls = script(model, [])
     with pytest.raises(ContextOverflowError) as e:
         model.generate("the cat sat on the mat " * 200, max_new_tokens=1)
@@ -380,7 +381,7 @@ def test_a_killed_writer_leaves_no_output(tmp_path: Path) -> None:
     """A process killed mid-write (no cleanup runs) leaves only a hidden .tmp file."""
     code = (
         "import os, signal, sys, numpy as np\n"
-        "from qllama.gguf_writer import GGUFWriter\n"
+        "from qllama.gguf.writer import GGUFWriter\n"
         "w = GGUFWriter()\n"
         "w.add_tensor('a', np.zeros((4, 32), np.float32), 'F32')\n"
         "def die():\n"

@@ -32,7 +32,7 @@ from bounds import q8_flip_bound  # noqa: E402
 
 import qllama  # noqa: E402
 from qllama.array_api import to_numpy  # noqa: E402
-from qllama.metrics import log_softmax  # noqa: E402
+from qllama.measure.metrics import log_softmax  # noqa: E402
 from qllama.model_files import sha256_file  # noqa: E402
 from qllama.serve import Limits, ServerThread, create_app, open_models  # noqa: E402
 from qllama.synthetic import TinyConfig, write_tiny  # noqa: E402

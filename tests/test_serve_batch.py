@@ -1,4 +1,4 @@
-"""``Llama.forward_batch``: several sequences at different positions in one pass, each in its
+"""``Model.forward_batch``: several sequences at different positions in one pass, each in its
 own KV cache, against each sequence run alone with ``forward`` (every architecture).
 
 What the batch may change, and what these tests hold it to:
@@ -28,7 +28,7 @@ from test_architectures import FAMILIES
 import qllama
 from qllama.array_api import to_numpy
 from qllama.errors import InvalidTokenError, SequenceError
-from qllama.model import SequenceStep
+from qllama.runtime.model import SequenceStep
 from qllama.synthetic import TinyConfig, write_tiny
 
 IDS = [1, 40, 77, 200, 5, 260, 99, 3, 17, 150, 61, 222, 8, 130, 45, 250]

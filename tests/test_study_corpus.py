@@ -11,7 +11,7 @@ import pytest
 from study_support import write_study
 
 import qllama
-from qllama import corpus, perplexity
+from qllama.measure import corpus, perplexity
 from qllama.study import Options, load_study, run
 
 CORPUS = (
@@ -52,7 +52,7 @@ def test_the_cells_get_llama_perplexity_numbers_against_one_cached_base(corpus_r
 
 
 def test_the_numbers_are_those_of_qllama_perplexity(corpus_run):
-    """The measure is qllama.perplexity.measure against that base: the same run by hand."""
+    """The measure is qllama.measure.perplexity.measure against that base: the same run by hand."""
     folder, cache, _ = corpus_run
     docs = json.loads((folder / "docs" / "results.json").read_text())
     got = docs["prompts"]["raw"]["cells"]["Q8_0-cpu"]["measures"]["corpus"]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from qllama.imatrix import DEFAULT_CTX
+from qllama.gguf.imatrix import DEFAULT_CTX
 from qllama.study import (
     Draw,
     FindingSpec,

@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 from study_support import write_study
 
-from qllama.attribution import CLASSES
+from qllama.measure.attribution import CLASSES
 from qllama.study import Options, StudyError, load_study, run
 from qllama.study.cells import measure_specs, product
 from qllama.study.declaration import MeasureSpec

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from qllama.file_quantizer import quantize_file
-from qllama.imatrix import from_corpus, write_imatrix
+from qllama.gguf.imatrix import write_imatrix
+from qllama.gguf.quantizer import quantize_file
+from qllama.measure.importance import from_corpus
 from qllama.model_files import sha256_file
 from qllama.study import StudyError
 from qllama.study.declaration import Variant, from_dict

@@ -18,9 +18,9 @@ from tokenizer_corpus import CORPUS, STUDY_PROMPT, long_text, random_texts
 
 from qllama.errors import InvalidTokenError, QllamaError, TokenizerError
 from qllama.ggml_types import ValueType
-from qllama.gguf_reader import GGUFValue, read_gguf
+from qllama.gguf.reader import GGUFValue, read_gguf
+from qllama.runtime.tokenizer import PRE_TOKENIZERS, Tokenizer
 from qllama.synthetic import TinyConfig, write_tiny_llama
-from qllama.tokenizer import PRE_TOKENIZERS, Tokenizer
 
 SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -433,7 +433,7 @@ def test_smollm2_study_prompt(smollm2: Tokenizer) -> None:
 
 def missing_bytes(tok: Tokenizer) -> set[int]:
     """Bytes a byte-level vocabulary has no token for (SmolLM2: 0x04, 0xF1, 0xFF...)."""
-    from qllama.tokenizer import _BYTE_DECODER
+    from qllama.runtime.tokenizer import _BYTE_DECODER
 
     return {b for ch, b in _BYTE_DECODER.items() if tok.token_id(ch) is None}
 

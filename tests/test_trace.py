@@ -13,14 +13,14 @@ from bounds import forward_bound
 import qllama
 from qllama.cli import main
 from qllama.errors import BackendError, QllamaError
-from qllama.observe import record, residual_names
-from qllama.trace import (
+from qllama.measure.trace import (
     BAND_FLOOR,
     PointErrors,
     SettingTrace,
     layer_trace,
     positions_from_text,
 )
+from qllama.runtime.observe import record, residual_names
 
 IDS = [1, 40, 77, 200, 5, 260, 99, 3]
 

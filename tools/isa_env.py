@@ -6,7 +6,7 @@ Each library that chooses its kernels by the CPU is told to stop at AVX2:
 
 * numba (qllama's compiled kernels): the host CPU's name and features, less every feature
   beyond AVX2 (``NUMBA_CPU_NAME`` / ``NUMBA_CPU_FEATURES``, which
-  ``qllama.backends.cpu_simd`` reads to choose its instructions; numba's disk cache keeps
+  ``qllama.backends.numpy.kernels.simd`` reads to choose its instructions; numba's disk cache keeps
   these kernels apart, its index is keyed by the target);
 * OpenBLAS (numpy's products): its Haswell kernels (``OPENBLAS_CORETYPE``);
 * numpy's own loops: without their AVX-512 targets (``NPY_DISABLE_CPU_FEATURES``);

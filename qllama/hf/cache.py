@@ -1,6 +1,6 @@
 """``QllamaCache``: a transformers ``Cache`` that carries qllama's own KV caches, one per row.
 
-qllama's model owns its keys and values (:class:`qllama.kv_cache.KVCache`; ``forward(ids,
+qllama's model owns its keys and values (:class:`qllama.runtime.kv_cache.KVCache`; ``forward(ids,
 pos)`` keeps positions ``< pos``). transformers' ``generate`` instead threads a ``Cache``
 object from one forward call to the next and edits it between calls: it asks for its length,
 crops it (prompt-lookup and assisted decoding roll back rejected tokens), reorders it (beam
@@ -12,7 +12,7 @@ qllama's caches, one per batch row, without touching a key or a value:
 - ``crop`` shortens the mask and the token list; the next forward call starts at the new
   length and overwrites what followed (qllama keeps positions ``< pos``);
 - reordering and repeating rows share a row's arrays instead of copying them
-  (:meth:`~qllama.kv_cache.KVCache.fork`): two rows hold the same arrays until one of them
+  (:meth:`~qllama.runtime.kv_cache.KVCache.fork`): two rows hold the same arrays until one of them
   writes a layer, which copies that layer's arrays first.
 
 Its length (``get_seq_length``) is the padded length transformers expects; every row has the
@@ -29,7 +29,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from qllama.errors import UnsupportedOptionError
-from qllama.kv_cache import KVCache
+from qllama.runtime.kv_cache import KVCache
 
 
 @dataclass

@@ -3,7 +3,7 @@
 transformers and the tools built on it read a handful of fields from ``model.config``: the
 vocabulary and widths, ``max_position_embeddings`` (lm-eval's context length), the special
 token ids generate stops and pads with. The rest of the configuration stays qllama's own
-(:class:`qllama.config.ModelConfig`, read from the file); this one also records the GGUF
+(:class:`qllama.runtime.config.ModelConfig`, read from the file); this one also records the GGUF
 path and the load options, so that ``AutoModelForCausalLM.from_config(config)`` loads the
 same file with the same arithmetic.
 """
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from transformers import PretrainedConfig
 
 if TYPE_CHECKING:
-    from qllama.model import Llama
+    from qllama.runtime.model import Model
 
 MODEL_TYPE = "qllama"
 
@@ -62,7 +62,7 @@ class QllamaConfig(PretrainedConfig):
     @classmethod
     def from_llm(
         cls,
-        llm: Llama,
+        llm: Model,
         gguf_path: str | os.PathLike[str] | None = None,
         load_options: dict[str, Any] | None = None,
     ) -> QllamaConfig:

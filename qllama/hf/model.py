@@ -6,7 +6,7 @@ arithmetic on numpy, the GPU one on torch, or dequantize-all); transformers sees
 float32 anchor, which transformers reads ``device`` and ``dtype`` from.
 
 A batch runs row by row: each row's real tokens (the positions its attention mask marks) run
-through ``Llama.forward`` at qllama positions ``0, 1, ...`` with that row's own KV cache (a
+through ``Model.forward`` at qllama positions ``0, 1, ...`` with that row's own KV cache (a
 :class:`~qllama.hf.cache.QllamaCache` carries them between calls). Padding is never computed;
 its logits are 0. Everything qllama cannot do faithfully is refused with an
 :class:`~qllama.errors.UnsupportedOptionError` naming it: ``inputs_embeds``, attention
@@ -38,7 +38,7 @@ from qllama.array_api import to_numpy
 from qllama.errors import QllamaError, UnsupportedOptionError
 from qllama.hf.cache import QllamaCache, Row
 from qllama.hf.config import QllamaConfig
-from qllama.model import Llama, rms_norm
+from qllama.runtime.model import Model, rms_norm
 
 # generate's cache choices that end in an empty DynamicCache, which the first forward call
 # replaces by a QllamaCache; every other one builds tensors qllama cannot use
@@ -70,7 +70,7 @@ class QllamaForCausalLM(PreTrainedModel, GenerationMixin):
     base_model_prefix = "qllama"
     main_input_name = "input_ids"
 
-    def __init__(self, config: QllamaConfig, llm: Llama | None = None) -> None:
+    def __init__(self, config: QllamaConfig, llm: Model | None = None) -> None:
         super().__init__(config)
         if llm is None:
             if not config.gguf_path:
@@ -113,7 +113,7 @@ class QllamaForCausalLM(PreTrainedModel, GenerationMixin):
 
     @classmethod
     def from_llm(
-        cls, llm: Llama, *, load_options: dict[str, Any] | None = None
+        cls, llm: Model, *, load_options: dict[str, Any] | None = None
     ) -> QllamaForCausalLM:
         """Wrap a model :func:`qllama.load` returned (its weights and backend are shared)."""
         path = getattr(llm.source, "path", None)

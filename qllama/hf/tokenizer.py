@@ -4,9 +4,9 @@ transformers can build a tokenizer from a GGUF too (``gguf_file=``), but it conv
 vocabulary into its own pipeline, which misses llama.cpp's ids on several vocabularies
 (llama-spm's whitespace, falcon, SmolLM2's ``smollm`` digits split "  42" as [216, 216, 36,
 34] where llama.cpp gives [256, 36, 34]; docs/transformers.md). This one converts nothing: text
-goes through :class:`qllama.tokenizer.Tokenizer` (llama.cpp's special-token partition,
+goes through :class:`qllama.runtime.tokenizer.Tokenizer` (llama.cpp's special-token partition,
 pre-tokenizers and merges), chat messages through the file's template in qllama's sandbox
-(:mod:`qllama.chat_template`). transformers' side (padding, truncation, tensors, batches,
+(:mod:`qllama.runtime.chat_template`). transformers' side (padding, truncation, tensors, batches,
 ``decode``, the pipeline and streamer plumbing) is its own.
 
 Conventions where the two libraries differ, chosen as llama.cpp does:
@@ -27,9 +27,9 @@ from typing import Any
 
 from transformers import PreTrainedTokenizer
 
-from qllama.chat_template import ChatTemplate
 from qllama.errors import ChatTemplateError, UnsupportedOptionError
-from qllama.tokenizer import Tokenizer
+from qllama.runtime.chat_template import ChatTemplate
+from qllama.runtime.tokenizer import Tokenizer
 
 # transformers' standard clean-up of spaces before punctuation and contractions, applied
 # only when asked (clean_up_tokenization_spaces=True); llama.cpp has no such step
@@ -60,7 +60,7 @@ def _tool_schemas(tools: Sequence[Any] | None) -> list[Any] | None:
 
 
 class QllamaTokenizer(PreTrainedTokenizer):
-    """A transformers tokenizer backed by a :class:`qllama.tokenizer.Tokenizer`.
+    """A transformers tokenizer backed by a :class:`qllama.runtime.tokenizer.Tokenizer`.
 
     Build one with :meth:`from_llm` (a loaded model, or a :class:`QllamaForCausalLM`) or
     :meth:`from_gguf` (a path).
@@ -105,7 +105,7 @@ class QllamaTokenizer(PreTrainedTokenizer):
     @classmethod
     def from_gguf(cls, path: str | os.PathLike[str], **kwargs: Any) -> QllamaTokenizer:
         """The tokenizer and chat template of a GGUF file (its weights are not read)."""
-        from qllama.gguf_reader import read_gguf
+        from qllama.gguf.reader import read_gguf
 
         with read_gguf(path) as f:
             template = f.get("tokenizer.chat_template")
@@ -202,7 +202,8 @@ class QllamaTokenizer(PreTrainedTokenizer):
         **kwargs: Any,
     ) -> Any:
         """transformers' ``apply_chat_template``, rendered by qllama's sandboxed template
-        (:class:`qllama.chat_template.ChatTemplate`, with its step, size and time budget) and
+        (:class:`qllama.runtime.chat_template.ChatTemplate`, with its step, size and time budget)
+        and
         encoded by qllama. ``**kwargs`` are template variables."""
         if return_assistant_tokens_mask or sanitize_control_tokens:
             name = (

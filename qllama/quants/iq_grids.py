@@ -91,7 +91,7 @@ _IQ3S_MASK = (
     "IA=="
 )
 
-# Whether Grid.nearest may use its compiled twin (backends/cpu_iq_search.py): None asks
+# Whether Grid.nearest may use its compiled twin (qllama/quants/iq_search_jit.py): None asks
 # whether numba is installed; tests set False to run the numpy path, its oracle.
 USE_COMPILED: bool | None = None
 
@@ -211,10 +211,10 @@ class Grid:
         start, count, flat = self._neighbours
         table = np.ascontiguousarray(np.asarray(level_values, dtype=F32)[:, self.points.T])
         if compiled():
-            from qllama.backends import cpu_iq_search
+            from qllama.quants import iq_search_jit
 
             pick = np.zeros(len(u), np.int64) if which is None else which.astype(np.int64)
-            found: np.ndarray = cpu_iq_search.nearest(
+            found: np.ndarray = iq_search_jit.nearest(
                 start,
                 count,
                 flat,

@@ -2,7 +2,7 @@
 
 A :class:`Run` submits one request's jobs (one per prompt and choice) and yields each
 :class:`Delta` as the engine's events arrive: text that became final (stop strings cut, end
-tokens left out, as :func:`qllama.generation.stream` does it), the tokens it scored, and the
+tokens left out, as :func:`qllama.runtime.generation.stream` does it), the tokens it scored, and the
 finish reason. When a stop string appears the job is cancelled, so its slot frees at once; a
 client that goes away cancels every job of its request.
 """
@@ -14,7 +14,7 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from qllama.generation import StopText
+from qllama.runtime.generation import StopText
 from qllama.serve.engine import Engine, Failed, Finished, Job, PromptScored, Sampled, Scored
 from qllama.serve.errors import APIError
 

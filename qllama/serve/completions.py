@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from qllama.errors import QllamaError
-from qllama.generation import Sampler, SamplingError
+from qllama.runtime.generation import Sampler, SamplingError
 from qllama.serve import responses as R
 from qllama.serve.choices import Delta, Run, collect
 from qllama.serve.engine import Engine, Job

@@ -1,11 +1,11 @@
 """The engine: one thread that owns every forward pass and decodes the active sequences together.
 
-Requests become :class:`Job` s (one per prompt and choice) in a bounded queue. Each step the
-engine admits queued jobs into free sequence slots, then runs one :meth:`Llama.forward_batch`
-per model with work: one token for every sequence that is generating, and prompt chunks of the
-sequences still prefilling, up to a token budget (llama.cpp's server builds its batches the
-same way). It samples each sequence with :class:`qllama.generation.Sampler` and sends what it
-computed to the job's ``emit`` (thread-safe; the HTTP side turns it into text and JSON).
+Requests become :class:`Job` s (one per prompt and choice) in a bounded queue. Each step the engine
+admits queued jobs into free sequence slots, then runs one :meth:`Model.forward_batch` per model
+with work: one token for every sequence that is generating, and prompt chunks of the sequences still
+prefilling, up to a token budget (llama.cpp's server builds its batches the same way). It samples
+each sequence with :class:`qllama.runtime.generation.Sampler` and sends what it computed to the
+job's ``emit`` (thread-safe; the HTTP side turns it into text and JSON).
 
 A finished sequence's KV cache stays, with the tokens it holds, among its model's idle caches.
 A new job takes the idle cache that shares the longest prefix with its prompt and runs only
@@ -29,10 +29,10 @@ import numpy as np
 
 from qllama.array_api import to_numpy
 from qllama.errors import QllamaError
-from qllama.generation import Sampler, _check_finite
-from qllama.kv_cache import KVCache
-from qllama.metrics import log_softmax
-from qllama.model import SequenceStep
+from qllama.measure.metrics import log_softmax
+from qllama.runtime.generation import Sampler, _check_finite
+from qllama.runtime.kv_cache import KVCache
+from qllama.runtime.model import SequenceStep
 from qllama.serve.errors import APIError, queue_full
 from qllama.serve.limits import Limits
 from qllama.serve.models import LoadedModel

@@ -20,9 +20,9 @@ from typing import Any
 
 from qllama.backends.base import Backend
 from qllama.ggml_types import FileType
-from qllama.loader import load
-from qllama.model import Llama
 from qllama.model_files import sha256_file
+from qllama.runtime.loader import load
+from qllama.runtime.model import Model
 from qllama.serve.errors import APIError, not_found
 
 
@@ -63,8 +63,8 @@ class ModelInfo:
 class LoadedModel:
     """One loaded file, shared by the requests running on it (counted references)."""
 
-    def __init__(self, model: Llama, info: ModelInfo) -> None:
-        self.model: Llama | None = model
+    def __init__(self, model: Model, info: ModelInfo) -> None:
+        self.model: Model | None = model
         self.info = info
         self._refs = 0
         self._lock = threading.Lock()
@@ -107,7 +107,7 @@ class LoadedModel:
             model.source.close()  # the map goes once the last array view of it is collected
 
 
-def describe(name: str, path: Path, model: Llama, sha256: str) -> ModelInfo:
+def describe(name: str, path: Path, model: Model, sha256: str) -> ModelInfo:
     raw = model.source.get("general.file_type") if model.source is not None else None
     try:
         file_type = FileType(int(raw)).label if raw is not None else None

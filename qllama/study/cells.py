@@ -18,56 +18,32 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from qllama.study.declaration import Draw, MeasureSpec, Setting, Study, StudyError
+from qllama.study.declaration import (
+    Cell,
+    Draw,
+    MeasureSpec,
+    Setting,
+    Study,
+    StudyError,
+    applies,
+    product,
+)
 from qllama.study.measures import get as get_measure
+from qllama.version import __version__
 
-
-@dataclass(frozen=True)
-class Cell:
-    """One cell of a study (names only; :func:`plan` in the runner attaches files and keys)."""
-
-    prompt: str
-    variant: str
-    setting: str
-    draw: str = ""  # "" is the base draw
-
-    @property
-    def label(self) -> str:
-        """``variant-setting``: the cell within its prompt and draw."""
-        return f"{self.variant}-{self.setting}"
-
-    @property
-    def id(self) -> str:
-        return f"{self.prompt}/{self.label}" + (f"~{self.draw}" if self.draw else "")
-
-
-def _within(limit: tuple[str, ...], name: str) -> bool:
-    """Whether a declaration's ``prompts`` or ``variants`` (empty: every one) admit ``name``."""
-    return not limit or name in limit
-
-
-def applies(draw: Draw, variant: str, setting: str) -> bool:
-    """Whether ``draw`` reruns the cells of ``variant`` and ``setting``."""
-    return setting in draw.settings and _within(draw.variants, variant)
-
-
-def product(study: Study, *, optional: bool = False) -> list[Cell]:
-    """Every cell, prompt by prompt: the base draw, then each draw that is switched on (and
-    with ``optional``, the cells of the optional draws too)."""
-    out = []
-    draws = [d for d in study.draws if optional or not d.optional]
-    for p in study.prompts:
-        for v in study.variants:
-            for s in study.settings:
-                if not (_within(s.prompts, p.name) and _within(s.variants, v.name)):
-                    continue
-                out.append(Cell(p.name, v.name, s.name))
-                out += [
-                    Cell(p.name, v.name, s.name, d.name)
-                    for d in draws
-                    if applies(d, v.name, s.name)
-                ]
-    return out
+# Cell, applies and product are the declaration's grid (qllama.study.declaration), named here
+# with what this module adds to it: the selection, the arithmetic and the keys
+__all__ = [
+    "Arithmetic",
+    "Cell",
+    "applies",
+    "arithmetic",
+    "compared",
+    "content_key",
+    "measure_specs",
+    "product",
+    "select",
+]
 
 
 def select(cells: Iterable[Cell], patterns: Sequence[str]) -> list[Cell]:
@@ -137,7 +113,6 @@ def content_key(
     files: Mapping[str, str] | None = None,
 ) -> str:
     """The cell's key: the sha256 of what its numbers depend on (16 hex digits shown)."""
-    from qllama import __version__
 
     meta = {
         "file_sha256": file_sha256,

@@ -94,12 +94,12 @@ class Prompt:
 class ReferenceSpec:
     """What the cells are compared with.
 
-    ``transformers``: transformers f32 (eager, CPU) reading ``variant`` (the F32 file),
-    greedy to the end of turn or ``max_new_tokens``, then the logits of every position.
-    ``qllama``: the same from qllama itself on ``variant`` with ``backend`` and ``options``
-    (default: numpy, every weight dequantized to f32). ``saved``: ``paths`` maps prompt names
-    to ``.npz`` files written by :meth:`qllama.compare.Reference.save`. ``threads`` (None: the
-    library's default) is part of the reference's provenance.
+    ``transformers``: transformers f32 (eager, CPU) reading ``variant`` (the F32 file), greedy to
+    the end of turn or ``max_new_tokens``, then the logits of every position. ``qllama``: the same
+    from qllama itself on ``variant`` with ``backend`` and ``options`` (default: numpy, every weight
+    dequantized to f32). ``saved``: ``paths`` maps prompt names to ``.npz`` files written by
+    :meth:`qllama.measure.compare.Reference.save`. ``threads`` (None: the library's default) is part
+    of the reference's provenance.
     """
 
     kind: str = "transformers"
@@ -324,8 +324,6 @@ def check(study: Study) -> None:
 def _measure_cells(study: Study) -> None:
     """Each measure's ``cells`` patterns match a cell (of any draw, optional ones included:
     they are switched on by name at run time); one cell has each measure name once."""
-    from qllama.study.cells import product
-
     cells = product(study, optional=True)
     seen: set[tuple[str, str]] = set()
     for m in study.measures:
@@ -342,6 +340,57 @@ def _measure_cells(study: Study) -> None:
             if (c.id, m.name) in seen:
                 raise StudyError(f"measure {m.name!r} is declared twice for the cell {c.id}")
             seen.add((c.id, m.name))
+
+
+# --- the grid of cells -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One cell of a study (names only; :func:`plan` in the runner attaches files and keys)."""
+
+    prompt: str
+    variant: str
+    setting: str
+    draw: str = ""  # "" is the base draw
+
+    @property
+    def label(self) -> str:
+        """``variant-setting``: the cell within its prompt and draw."""
+        return f"{self.variant}-{self.setting}"
+
+    @property
+    def id(self) -> str:
+        return f"{self.prompt}/{self.label}" + (f"~{self.draw}" if self.draw else "")
+
+
+def _within(limit: tuple[str, ...], name: str) -> bool:
+    """Whether a declaration's ``prompts`` or ``variants`` (empty: every one) admit ``name``."""
+    return not limit or name in limit
+
+
+def applies(draw: Draw, variant: str, setting: str) -> bool:
+    """Whether ``draw`` reruns the cells of ``variant`` and ``setting``."""
+    return setting in draw.settings and _within(draw.variants, variant)
+
+
+def product(study: Study, *, optional: bool = False) -> list[Cell]:
+    """Every cell, prompt by prompt: the base draw, then each draw that is switched on (and
+    with ``optional``, the cells of the optional draws too)."""
+    out = []
+    draws = [d for d in study.draws if optional or not d.optional]
+    for p in study.prompts:
+        for v in study.variants:
+            for s in study.settings:
+                if not (_within(s.prompts, p.name) and _within(s.variants, v.name)):
+                    continue
+                out.append(Cell(p.name, v.name, s.name))
+                out += [
+                    Cell(p.name, v.name, s.name, d.name)
+                    for d in draws
+                    if applies(d, v.name, s.name)
+                ]
+    return out
 
 
 def _types(study: Study) -> None:

@@ -4,7 +4,7 @@ measures (:mod:`qllama.study.measures`), per prompt and across prompts, and the 
 A cell's layer trace is read beside its F32 control, the cell of the F32 variant (the
 measure's ``f32``) under the same setting, as ``qllama trace`` does: a setting leaves the
 control's band at the first point of the residual stream whose relative L2 error is more than
-:data:`qllama.trace.BAND_FACTOR` times the control's there.
+:data:`qllama.measure.trace.BAND_FACTOR` times the control's there.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from qllama.trace import PointErrors, SettingTrace, TraceReport
+from qllama.measure.trace import PointErrors, SettingTrace, TraceReport
 
 Table = Callable[[Sequence[str], Sequence[Sequence[Any]]], list[str]]
 

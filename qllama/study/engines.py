@@ -24,7 +24,7 @@ def open_model(
 ) -> Any:
     """The model a cell measures."""
     if engine == "qllama":
-        from qllama.loader import load
+        from qllama.runtime.loader import load
 
         return load(path, backend=backend, **options)
     if engine == "llama.cpp":
@@ -59,7 +59,7 @@ class LlamaCppModel:
             raise StudyError(
                 "the llama.cpp engine needs llama-cpp-python (nox -s study-peers installs it)"
             ) from None
-        from qllama.tokenizer import Tokenizer
+        from qllama.runtime.tokenizer import Tokenizer
 
         self.tokenizer = Tokenizer.from_gguf(path)
         self.backend = _Device()

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from qllama.compare import Reference, free_generation, teacher_forcing
+from qllama.measure.compare import Reference, free_generation, teacher_forcing
 from qllama.study.declaration import MeasureSpec, StudyError
 
 MeasureFn = Callable[[Any, Reference, Mapping[str, Any]], dict[str, Any]]
@@ -199,7 +199,7 @@ def free_generation_measure(
     return free_generation(model, ref, extra=int(options["extra"])).summary()
 
 
-# --- where the drift enters (qllama.trace, qllama.attribution) ---------------------------------
+# --- where the drift enters (qllama.measure.trace, qllama.measure.attribution) -------------
 
 
 def _source_path(model: Any, measure: str) -> str:
@@ -216,11 +216,11 @@ def _source_path(model: Any, measure: str) -> str:
     about="the cell's error split by tensor group: one group's cause switched on at a time",
 )
 def attribution_measure(model: Any, ref: Reference, options: Mapping[str, Any]) -> dict[str, Any]:
-    """:func:`qllama.attribution.attribute` on the cell's file and backend: ``kind``
+    """:func:`qllama.measure.attribution.attribute` on the cell's file and backend: ``kind``
     ``activations`` (the CPU arithmetic's activation rounding, one group at a time, the rest
     on ``arithmetic``) or ``weights`` (the file's weights, one group at a time, in the F32
     variant ``f32``)."""
-    from qllama.attribution import attribute
+    from qllama.measure.attribution import attribute
 
     out = attribute(
         _source_path(model, "attribution"),
@@ -253,12 +253,12 @@ def _reference_engine(measure: str, reference: str) -> None:
 
 @functools.lru_cache(maxsize=1)  # the cells of one prompt share it
 def _reference_trace(path: str, tokens: tuple[int, ...], qkv: bool, kind: str) -> Any:
-    from qllama.observe import record
-    from qllama.reference import transformers_trace
+    from qllama.measure.reference import transformers_trace
+    from qllama.runtime.observe import record
 
     if kind == "transformers":
         return transformers_trace(path, tokens, qkv=qkv)
-    from qllama.loader import load
+    from qllama.runtime.loader import load
 
     model = load(path, dequantize_all=True)
     try:
@@ -277,10 +277,10 @@ def layer_trace_measure(model: Any, ref: Reference, options: Mapping[str, Any]) 
     """The cell's residual stream, attention and MLP outputs (and Q/K/V with ``qkv``) at every
     position of the reference's tokens against the F32 variant ``f32`` run by ``reference``
     (transformers, or qllama's dequantize-all for a study whose reference is qllama's): the
-    per-point errors of :func:`qllama.trace.compare`. The report puts each cell beside the
+    per-point errors of :func:`qllama.measure.trace.compare`. The report puts each cell beside the
     F32 variant's cell of the same setting, its control."""
-    from qllama.observe import record, residual_names
-    from qllama.trace import compare
+    from qllama.measure.trace import compare
+    from qllama.runtime.observe import record, residual_names
 
     if options["f32"] is None:
         raise StudyError("measure 'layer_trace' needs f32 = the F32 variant's name")
@@ -296,22 +296,23 @@ def layer_trace_measure(model: Any, ref: Reference, options: Mapping[str, Any]) 
     }
 
 
-# --- a corpus, as llama-perplexity measures it (qllama.perplexity) -----------------------------
+# --- a corpus, as llama-perplexity measures it (qllama.measure.perplexity) ----------------
 
 
 def corpus_base(
     f32_path: str, corpus: str, n_ctx: int, chunks: int, fmt: str, reference: str
 ) -> Any:
-    """The base of ``corpus`` on the F32 file (a :class:`~qllama.kld_base.BaseFile`), run by
+    """The base of ``corpus`` on the F32 file (a :class:`~qllama.measure.kld_base.BaseFile`), run by
     ``reference`` (transformers f32, or qllama's dequantize-all): made once and kept in the
     cache (``corpus-bases/``), the first process to need it making it while the others
     wait. Its name is the hash of what it is made from, so a cell that finds it reads
     neither the whole F32 file nor the tokenized corpus again."""
-    from qllama import corpus as corpora
-    from qllama import defaults, kld_base, perplexity
+    from qllama import defaults
     from qllama.atomic import exclusive
+    from qllama.measure import corpus as corpora
+    from qllama.measure import kld_base, perplexity
+    from qllama.runtime.tokenizer import Tokenizer
     from qllama.study.variants import file_sha256
-    from qllama.tokenizer import Tokenizer
 
     _reference_engine("corpus", reference)  # before anything is read
     text, origin = corpora.from_spec(f"corpus:{corpus}")
@@ -334,11 +335,11 @@ def corpus_base(
                     f"corpus {corpus!r} has {wins.n_chunk} windows of {n_ctx}, not {chunks}"
                 )
             if reference == "transformers":
-                from qllama.reference import load_transformers
+                from qllama.measure.reference import load_transformers
 
                 scorer = perplexity.transformers_scorer(load_transformers(f32_path))
             else:
-                from qllama.loader import load
+                from qllama.runtime.loader import load
 
                 scorer = perplexity.qllama_scorer(load(f32_path, dequantize_all=True))
             writer = kld_base.BaseWriter(
@@ -364,10 +365,11 @@ def corpus_base(
     "llama-perplexity computes them",
 )
 def corpus_measure(model: Any, ref: Reference, options: Mapping[str, Any]) -> dict[str, Any]:
-    """:func:`qllama.perplexity.measure` of the cell's model over ``chunks`` windows of
-    ``n_ctx`` tokens of ``corpus`` (:mod:`qllama.corpus`), against transformers f32 on the F32
+    """:func:`qllama.measure.perplexity.measure` of the cell's model over ``chunks`` windows of
+    ``n_ctx`` tokens of ``corpus`` (:mod:`qllama.measure.corpus`), against transformers f32 on the
+    F32
     variant ``f32`` (the base, :func:`corpus_base`). The prompt of the cell is not used."""
-    from qllama import perplexity
+    from qllama.measure import perplexity
 
     if options["f32"] is None:
         raise StudyError("measure 'corpus' needs f32 = the F32 variant's name")

@@ -1,7 +1,7 @@
 """The study's references: one per prompt, computed once, cached, named by their content.
 
 A reference is the prompt's ids, the reference model's greedy continuation and the logits of
-every position (:class:`qllama.compare.Reference`). It is cached in
+every position (:class:`qllama.measure.compare.Reference`). It is cached in
 ``<results>/references/<request>.npz`` under a *request* key (what was asked: the file's hash,
 the prompt's ids, the kind, the environment), and carries a *content* key (the sha256 of its
 tokens and logits) that the cells' keys use: a reference recomputed on another machine moves
@@ -24,9 +24,10 @@ from typing import Any
 
 import numpy as np
 
-from qllama.compare import Reference
+from qllama.measure.compare import Reference
 from qllama.study.declaration import Prompt, ReferenceSpec, StudyError
 from qllama.study.variants import VariantFile
+from qllama.version import __version__
 
 # the packages whose versions a transformers reference records (and is recomputed for)
 REFERENCE_PACKAGES = ("numpy", "torch", "transformers", "accelerate", "gguf")
@@ -60,10 +61,10 @@ def content_key(ref: Reference) -> str:
 def prompt_ids(prompt: Prompt, path: str | Path) -> tuple[list[int], list[int]]:
     """The prompt's ids and the stop ids, from qllama's tokenizer (llama.cpp's ids) and the
     file's chat template."""
-    from qllama.chat_template import ChatTemplate
     from qllama.errors import ChatTemplateError
-    from qllama.gguf_reader import read_gguf
-    from qllama.tokenizer import Tokenizer
+    from qllama.gguf.reader import read_gguf
+    from qllama.runtime.chat_template import ChatTemplate
+    from qllama.runtime.tokenizer import Tokenizer
 
     with read_gguf(path) as f:
         tok = Tokenizer.from_gguf(f)
@@ -79,7 +80,6 @@ def prompt_ids(prompt: Prompt, path: str | Path) -> tuple[list[int], list[int]]:
 
 
 def request_key(task_fields: Mapping[str, Any]) -> str:
-    from qllama import __version__
 
     meta = {**task_fields, "qllama": __version__}
     return hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()[:32]
@@ -134,7 +134,7 @@ def _threads(n: int | None) -> None:
 
 
 def _transformers(task: ReferenceTask, path: Path, tokens: list[int] | None) -> Reference:
-    from qllama.reference import load_transformers, transformers_reference
+    from qllama.measure.reference import load_transformers, transformers_reference
 
     _threads(task.spec.threads)
     if tokens is None:
@@ -154,8 +154,8 @@ def _transformers(task: ReferenceTask, path: Path, tokens: list[int] | None) -> 
 
 def _qllama(task: ReferenceTask, path: Path, tokens: list[int] | None) -> Reference:
     from qllama.array_api import to_numpy
-    from qllama.compare import reference_from_model
-    from qllama.loader import load
+    from qllama.measure.compare import reference_from_model
+    from qllama.runtime.loader import load
 
     model = load(path, backend=task.spec.backend, **task.spec.options)
     if tokens is None:

@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 
 from qllama.atomic import atomic_write
-from qllama.compare import fork
-from qllama.metrics import kl_stats, top_k
+from qllama.measure.compare import fork
+from qllama.measure.metrics import kl_stats, top_k
 from qllama.study import corpus_report, drift_report
 from qllama.study.cache import CellResult
 
@@ -79,7 +79,7 @@ def _margin(step_logits: np.ndarray) -> list[float]:
 def collect(plan: Any, results: Mapping[str, CellResult]) -> dict[str, Any]:
     """Every cell's numbers by prompt and draw, the cross-setting forks and the compared
     pairs, as one JSON-able dict (arrays and the tokenizer under ``_`` keys)."""
-    from qllama.tokenizer import Tokenizer
+    from qllama.runtime.tokenizer import Tokenizer
 
     study = plan.study
     tok = Tokenizer.from_gguf(next(iter(plan.variants.values())).path)

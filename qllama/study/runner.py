@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from qllama.compare import Reference
+from qllama.measure.compare import Reference
 from qllama.study.cache import CellCache, CellResult
 from qllama.study.cells import Cell, arithmetic, content_key, measure_specs, product, select
 from qllama.study.declaration import Draw, Study, StudyError

@@ -17,6 +17,7 @@ from qllama import defaults
 from qllama.atomic import atomic_write
 from qllama.model_files import MODELS, sha256_file
 from qllama.study.declaration import StudyError, Variant
+from qllama.version import __version__
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,6 @@ def file_sha256(path: str | os.PathLike[str]) -> str:
 
 def _from_path(source: Path, label: str, cache: str | os.PathLike[str] | None) -> Path:
     """``source`` as file type ``label``: F32 dequantized from it, the rest from that F32."""
-    from qllama import __version__
     from qllama.model_files import quantized_once
 
     origin = source if label == "F32" else _from_path(source, "F32", cache)
@@ -69,7 +69,7 @@ def build(
     source: str | Path, variant: Variant, *, cache: str | os.PathLike[str] | None = None
 ) -> VariantFile:
     """Build (or find in the cache) the file of ``variant`` from the model ``source``."""
-    from qllama.file_quantizer import file_type
+    from qllama.gguf.quantizer import file_type
     from qllama.model_files import fetch
     from qllama.model_files import variant as named_variant
 
@@ -94,8 +94,7 @@ def _with_imatrix(
     """``variant`` quantized from the F32 file with its importance matrix, as llama-quantize
     ``--imatrix`` does: the file it names, or one computed from its corpus as llama-imatrix
     computes it (the CPU arithmetic on the F32 file, windows of 512), kept in the cache."""
-    from qllama import __version__
-    from qllama.file_quantizer import file_type
+    from qllama.gguf.quantizer import file_type
     from qllama.model_files import quantized_once
 
     if variant.type in ("source", "F32"):
@@ -122,10 +121,10 @@ def _computed_imatrix(f32: Path, variant: Variant, folder: Path) -> Path:
     """The importance matrix of ``variant.imatrix_corpus`` on ``f32`` (cached by content)."""
     import hashlib
 
-    from qllama import __version__
     from qllama.atomic import exclusive
-    from qllama.corpus import from_spec
-    from qllama.imatrix import from_corpus, write_imatrix
+    from qllama.gguf.imatrix import write_imatrix
+    from qllama.measure.corpus import from_spec
+    from qllama.measure.importance import from_corpus
 
     assert variant.imatrix_corpus is not None
     text, origin = from_spec(variant.imatrix_corpus)

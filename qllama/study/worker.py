@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from qllama.compare import Reference
+from qllama.measure.compare import Reference
 from qllama.study.cache import CellResult
 from qllama.study.cells import Arithmetic, Cell
 from qllama.study.declaration import MeasureSpec, StudyError

@@ -380,7 +380,7 @@ OLDER_CONVERTERS: dict[str, tuple[str, ...]] = {
 def as_older_converter(built: Built) -> Path:
     """The converter's file without the keys of :data:`OLDER_CONVERTERS` (every tensor byte
     for byte the same), written once beside it."""
-    from qllama.gguf_writer import rewrite
+    from qllama.gguf.writer import rewrite
 
     out = built.gguf.with_name("model-f32-older.gguf")
     if not out.exists():

@@ -10,9 +10,9 @@ from typing import Any
 import numpy as np
 
 from qllama.errors import ImatrixError, ModelConfigError
-from qllama.file_quantizer import quantize_file
-from qllama.gguf_reader import read_gguf
-from qllama.imatrix import Entry, ImportanceMatrix, write_imatrix
+from qllama.gguf.imatrix import Entry, ImportanceMatrix, write_imatrix
+from qllama.gguf.quantizer import quantize_file
+from qllama.gguf.reader import read_gguf
 
 
 def llama_quantize(src: Path, dst: Path, ftype: int) -> bool:

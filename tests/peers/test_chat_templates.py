@@ -37,9 +37,9 @@ from conformance.runners import LlamaServer, c_template, llama_cpp_tokens
 from conformance.sources import llama_cpp_source
 
 import qllama
-from qllama.chat_template import ChatTemplate
 from qllama.errors import ChatTemplateError
-from qllama.tokenizer import Tokenizer
+from qllama.runtime.chat_template import ChatTemplate
+from qllama.runtime.tokenizer import Tokenizer
 
 pytest.importorskip("llama_cpp")
 pytestmark = pytest.mark.peers

@@ -29,8 +29,8 @@ from conformance.runners import LlamaCpp, llama_cpp_trace, transformers_logits
 import qllama
 from qllama import quants
 from qllama.array_api import to_numpy
-from qllama.file_quantizer import quantize_file
-from qllama.generation import Sampler, generate_ids
+from qllama.gguf.quantizer import quantize_file
+from qllama.runtime.generation import Sampler, generate_ids
 
 pytest.importorskip("llama_cpp")
 pytestmark = pytest.mark.peers

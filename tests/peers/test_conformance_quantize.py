@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import conformance as C
 from quantize_pair import llama_quantize, llama_quantize_tool, ours_or_refusal, random_imatrix
 
-from qllama.file_quantizer import FILE_TYPES
+from qllama.gguf.quantizer import FILE_TYPES
 
 llama_cpp = pytest.importorskip("llama_cpp")
 pytestmark = pytest.mark.peers

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from qllama import quants
 from qllama.backends.base import QuantTensor
-from qllama.backends.numpy_cpu import NumpyBackend
+from qllama.backends.numpy.dispatch import NumpyBackend
 from qllama.ggml_types import GGMLType
 
 pytest.importorskip("llama_cpp")

@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 from bounds import forward_bound, gamma
 
-from qllama import imatrix
-from qllama.gguf_reader import read_gguf
+from qllama.gguf import imatrix
+from qllama.gguf.reader import read_gguf
+from qllama.measure import importance
 from qllama.model_files import variant
 
 pytest.importorskip("llama_cpp")
@@ -49,7 +50,7 @@ def both(request, llama_tool, corpus, tmp_path_factory):
     run = llama_tool("llama-imatrix", *args, timeout=1800)
     assert run.returncode == 0, run.stderr[-3000:]
     text = corpus.read_text(encoding="utf-8")
-    ours = imatrix.from_corpus(
+    ours = importance.from_corpus(
         f32,
         text,
         n_ctx=N_CTX,

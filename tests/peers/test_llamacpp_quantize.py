@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 from quantize_pair import llama_quantize, llama_quantize_tool, ours_or_refusal, random_imatrix
 
-from qllama.file_quantizer import FILE_TYPES
-from qllama.gguf_reader import read_gguf
+from qllama.gguf.quantizer import FILE_TYPES
+from qllama.gguf.reader import read_gguf
 from qllama.model_files import variant
 
 llama_cpp = pytest.importorskip("llama_cpp")

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import pytest
 
 from qllama.errors import ModelConfigError
-from qllama.file_quantizer import FILE_TYPES, ModelShape, Role, TypeChooser, visit_order
 from qllama.ggml_types import GGMLType
-from qllama.gguf_reader import TensorInfo
+from qllama.gguf.quantizer import FILE_TYPES, ModelShape, Role, TypeChooser, visit_order
+from qllama.gguf.reader import TensorInfo
 
 llama_cpp = pytest.importorskip("llama_cpp")
 pytestmark = pytest.mark.peers

@@ -18,10 +18,10 @@ import pytest
 from tokenizer_corpus import CORPUS, long_text, random_texts
 
 from qllama.ggml_types import ValueType
-from qllama.gguf_reader import GGUFValue, read_gguf
-from qllama.gguf_writer import GGUFWriter
+from qllama.gguf.reader import GGUFValue, read_gguf
+from qllama.gguf.writer import GGUFWriter
+from qllama.runtime.tokenizer import PRE_TOKENIZERS, Tokenizer
 from qllama.synthetic import TinyConfig, write_tiny_llama
-from qllama.tokenizer import PRE_TOKENIZERS, Tokenizer
 
 llama_cpp = pytest.importorskip("llama_cpp")
 pytestmark = pytest.mark.peers

@@ -8,7 +8,7 @@ must agree: perplexity to 1e-4 on F32 and 0.1% on the quantized files, and each 
 line to two significant digits or within its rounding spread. Then llama-perplexity reads a
 base qllama wrote.
 
-The rounding spread (:func:`qllama.metrics.rounding_spread`): llama.cpp's own two attention
+The rounding spread (:func:`qllama.measure.metrics.rounding_spread`): llama.cpp's own two attention
 paths, which differ only in rounding, give KL lines that differ in the second digit (whole
 corpus, Q8_0: maximum 0.11 and 0.30, 99% 0.017 and 0.016, 10% 0.00094 and 0.00092;
 docs/perplexity.md). A percentile rests on the few positions near it, and each arithmetic
@@ -44,9 +44,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from qllama import corpus, kld_base, metrics, perplexity
-from qllama.loader import load
+from qllama.measure import corpus, kld_base, metrics, perplexity
 from qllama.model_files import variant
+from qllama.runtime.loader import load
 
 pytest.importorskip("llama_cpp")
 pytestmark = [pytest.mark.peers, pytest.mark.model]
@@ -144,7 +144,7 @@ def qllama_runs(llama_runs):
 
 
 def spread_key(label: str) -> str:
-    """The :func:`qllama.metrics.rounding_spread` key of a KLD line's label."""
+    """The :func:`qllama.measure.metrics.rounding_spread` key of a KLD line's label."""
     head = label.split()[0]
     names = {"Mean": "mean", "Maximum": "max", "Median": "median", "Minimum": "min"}
     return names.get(head) or f"{float(head.rstrip('%')):g}%"

@@ -9,8 +9,8 @@ import pytest
 from bounds import q8_flip_bound
 
 from qllama import load
-from qllama.compare import Reference, free_generation, reference_from_model, teacher_forcing
-from qllama.file_quantizer import quantize_file
+from qllama.gguf.quantizer import quantize_file
+from qllama.measure.compare import Reference, free_generation, reference_from_model, teacher_forcing
 from qllama.study.engines import LlamaCppModel
 from qllama.synthetic import TinyConfig, write_tiny_llama
 

@@ -1,0 +1,651 @@
+"""numpy: the CPU arithmetic, as ggml's CPU backend computes a quantized matmul.
+
+For a weight row of type T and an activation row, ggml's CPU quantizes the activation row to
+T's ``vec_dot_type`` (Q8_0, Q8_1 or Q8_K; rounds it to half for F16/BF16 weights) with its
+``from_float``, then calls T's ``vec_dot``: exact integer sums per block, combined with the
+blocks' float scales. This backend computes the same thing for every (activation row, weight
+row) pair at once:
+
+* activations are quantized by :func:`qllama.quants.quantize`, bit-exact with ggml
+  (``activation_rounding="ref"``: ``quantize_row_*_ref``, ties away from zero for Q8_0/Q8_1;
+  ``"simd"``: the AVX2/NEON ``from_float``, ties to even, ``id = 127/amax``);
+* each weight format describes itself as integers and float scales
+  (:meth:`~qllama.quants.base.QuantType.integer_form`), and :func:`vec_dot` is written once
+  over that form: the integer sums of a block are float32 BLAS products that are exact (every
+  partial sum is an integer of at most 2**24, checked per format; float64 for the IQ formats
+  whose sums can pass it, rounded to float32 as C converts ggml's int32 sum), and the float
+  scales are combined in the order of ggml's generic C (``ggml-cpu/quants.c``). Results
+  equal that C, compiled as written (no FMA contraction), bit for bit; ggml's SIMD kernels,
+  and builds that contract ``sumf += a*b`` into an FMA, differ from it by float32 rounding
+  only.
+
+Weights stay the file's bytes (a zero-copy view) and are unpacked chunk by chunk in each
+call, so memory per call is bounded by ``work_bytes``; no unpacked copy is kept. This path is
+the oracle for faster CPU kernels, so it favours clarity and exactness over speed.
+
+Options: ``activations="q8"`` (the above) or ``"f32"`` (the GPU arithmetic on numpy:
+float32 activations times the dequantized weight), ``activation_rounding``, and
+``dequantize_all`` (weights widened to float32 once, at load; plain float32 matmuls).
+
+``kernels="numba"`` (the default when numba is installed) computes the ``q8`` arithmetic with the
+compiled kernels of :mod:`qllama.backends.numpy.kernels.matmul`: the same float32 values, bit for
+bit, from the file's bytes, many times faster; F32 weights are then multiplied as zero-copy views of
+the file, in the same chunks as here (F16 and BF16 weights keep the plain path). ``kernels="numpy"``
+keeps this plain path, the oracle the kernels are tested against. ``threads`` sets numba's thread
+count for the kernels (default: numba's own in the calling thread at its first matmul, i.e.
+``NUMBA_NUM_THREADS`` or the number of cores). ``blas_threads`` (default 1) caps BLAS's threads,
+process-wide, when the kernels first run: the model's attention products go to BLAS, whose idle
+threads spin-wait for work on the cores the kernels' threads need (measured on 2 cores: teacher
+forcing over 337 tokens twice as fast with one BLAS thread; docs/bench.md). ``None`` leaves BLAS as
+it is. It needs threadpoolctl (part of ``qllama[fast]``) and is skipped without it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+import itertools
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, cast
+
+import numpy as np
+
+from qllama import quants
+from qllama.array_api import namespace
+from qllama.backends.array_api import ALL_TYPES, ArrayBackend, Blocks, Dense
+from qllama.backends.base import QuantTensor, check_supported, require_device
+from qllama.errors import BackendError, TensorShapeError
+from qllama.ggml_types import GGMLType
+from qllama.quants.base import Fields, IntegerForm, QuantType, Rounding
+
+F32 = np.float32
+
+ACTIVATIONS = ("q8", "f32")
+ROUNDINGS = ("ref", "simd")
+KERNELS = ("numba", "numpy")
+FLOAT_DOT_TYPES = ("F32", "F16", "BF16")  # vec_dot types of the float weight formats
+
+# ggml has no CPU vec_dot for weights stored in its activation formats
+Q8_WEIGHT_TYPES = ALL_TYPES - {GGMLType.Q8_1, GGMLType.Q8_K}
+# the formats the compiled kernels compute (the float ones go through BLAS either way)
+KERNEL_LEGACY = frozenset(GGMLType[n] for n in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"))
+KERNEL_KQUANTS = frozenset(GGMLType[n] for n in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"))
+KERNEL_IQ = frozenset(GGMLType[n] for n in ("IQ3_S", "IQ2_XS", "IQ2_S"))
+KERNEL_TABLES = frozenset(GGMLType[n] for n in ("IQ4_NL", "IQ4_XS", "MXFP4"))
+KERNEL_TYPES = KERNEL_LEGACY | KERNEL_KQUANTS | KERNEL_IQ | KERNEL_TABLES
+# ... of which these run in the streaming kernels, several weights in one call
+STREAMING_TYPES = KERNEL_LEGACY | KERNEL_KQUANTS | {GGMLType.IQ4_NL, GGMLType.IQ4_XS}
+ONE_OFFSET = np.zeros(1, np.int64)
+
+# Largest |q| of an activation block: 127, or -128 where the AVX2 quantizer saturates a NaN.
+_ACT_BOUND = 128
+_EXACT_F32 = 2**24  # every integer up to this magnitude is exact in float32
+_EXACT_F64 = 2**53
+# Below this many multiply-adds a matmul runs on one thread (~20 us): waking a second one
+# and meeting it at the end costs about as much.
+SERIAL_MACS = 1 << 17
+
+
+def _exporter(a: np.ndarray) -> Any:
+    """The object whose buffer ``a`` views (the file's map, for a file's tensors; each
+    ``np.frombuffer`` of a memoryview has a memoryview of its own), or None."""
+    base = a.base
+    return base.obj if isinstance(base, memoryview) else base
+
+
+def _limit_blas(threads: int) -> None:
+    """Cap every loaded BLAS at ``threads`` threads (process-wide; threadpoolctl if present)."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        return
+    threadpool_limits(limits=threads, user_api="blas")
+
+
+def kernels_available() -> bool:
+    """Whether the compiled kernels can run here (numba is installed; not imported yet)."""
+    return importlib.util.find_spec("numba") is not None
+
+
+@dataclass(frozen=True)
+class Packed:
+    """A weight held as the file's bytes, unpacked only for the rows a call works on."""
+
+    tensor: QuantTensor
+    fmt: type[QuantType]
+    # the streaming calls this weight leads: the ids of the weights after it -> their Streams
+    # (None: no one call takes them). Held here, not by the backend, so that they go with the
+    # model's weights, and with them the map of the file they view.
+    streams: dict[tuple[int, ...], Streams | None] = field(
+        default_factory=dict, compare=False, repr=False
+    )
+
+    @property
+    def row_bytes(self) -> int:
+        return self.tensor.row_length // self.fmt.block_size * self.fmt.type_size
+
+    @functools.cached_property
+    def kernels_exact(self) -> bool:
+        """Whether the compiled kernels give the oracle's bits for this weight
+        (:func:`~qllama.backends.numpy.kernels.matmul.computes_exactly`); asked in kernels
+        mode only."""
+        from qllama.backends.numpy.kernels import matmul
+
+        return matmul.computes_exactly(int(self.tensor.ggml_type), self.tensor.data)
+
+    def rows(self, index: slice | np.ndarray) -> tuple[QuantTensor, Fields]:
+        """Rows ``index`` as a tensor of their own and their unpacked (mostly view) fields."""
+        raw = self.tensor.data.reshape(self.tensor.rows, self.row_bytes)[index]
+        part = dataclasses.replace(
+            self.tensor, shape=(raw.shape[0], self.tensor.row_length), data=raw.reshape(-1)
+        )
+        return part, self.fmt.unpack(raw.reshape(-1, self.fmt.type_size))
+
+
+@dataclass(frozen=True)
+class Streams:
+    """Weights that one call of a streaming kernel takes: one format, one row length, views
+    of one buffer (the file's map), at byte ``offsets`` of it."""
+
+    code: int  # the GGML type
+    buffer: np.ndarray  # uint8
+    offsets: np.ndarray  # int64, each weight's first byte in ``buffer``
+    rows: np.ndarray  # int64, each weight's rows
+    starts: np.ndarray  # int64, each weight's first row among all of them
+    spans: tuple[tuple[int, int], ...]  # (start, rows) of each, as ints
+    macs_per_token: int
+    total_rows: int  # of all the weights
+
+    @classmethod
+    def of(cls, ws: Sequence[Any]) -> Streams | None:
+        """The streams of ``ws``, or None where one call cannot take them all: another
+        kind of weight, a format without streaming kernels, two formats or row lengths, or
+        weights that are not views of one buffer."""
+        if not all(isinstance(w, Packed) for w in ws):
+            return None
+        code, k = ws[0].tensor.ggml_type, ws[0].tensor.row_length
+        if code not in STREAMING_TYPES or not all(w.kernels_exact for w in ws):
+            return None
+        rows = np.array([w.tensor.rows for w in ws], np.int64)
+        starts = np.cumsum(rows) - rows
+        spans = tuple(zip(starts.tolist(), rows.tolist(), strict=True))
+        if len(ws) == 1:
+            buffer, offsets = ws[0].tensor.data, ONE_OFFSET
+        else:
+            base = _exporter(ws[0].tensor.data)
+            if base is None or any(
+                w.tensor.ggml_type != code
+                or w.tensor.row_length != k
+                or _exporter(w.tensor.data) is not base
+                for w in ws
+            ):
+                return None
+            try:
+                buffer = np.frombuffer(base, dtype=np.uint8)
+            except (TypeError, ValueError, BufferError):  # not one contiguous buffer
+                return None
+            start = buffer.ctypes.data
+            offsets = np.array([w.tensor.data.ctypes.data - start for w in ws], np.int64)
+        total = int(rows.sum())
+        return cls(int(code), buffer, offsets, rows, starts, spans, total * k, total)
+
+
+@dataclass(frozen=True)
+class Activations:
+    """Activation rows quantized to a weight's ``vec_dot_type``, laid out per weight block.
+
+    ``q`` is ``(n_blocks, lanes, T, block_size // lanes)`` float32 (small exact integers), so
+    that ``q[b] @ w[b]`` is the integer sum of block ``b`` per accumulator lane; ``d`` and
+    ``s`` are ``(n_blocks, T)``; ``bsums`` (Q8_K) is ``(n_blocks, T, n_sub)``: the sums of
+    ``q`` over each of the weight's sub-blocks.
+    """
+
+    q: np.ndarray
+    d: np.ndarray
+    s: np.ndarray | None = None
+    bsums: np.ndarray | None = None
+
+    @classmethod
+    def of(cls, fields: Fields, shape: tuple[int, int], form: IntegerForm) -> Activations:
+        """Lay out the unpacked Q8_0 / Q8_1 / Q8_K fields of ``shape`` (T, K) for ``form``."""
+        tokens, k = shape
+        block = form.q.shape[1]
+        n_blocks = k // block
+        qs = fields["qs"].reshape(tokens, n_blocks, block // form.lanes, form.lanes)
+        # a weight block may be a part of an activation block (NVFP4's 16, IQ4_XS's 32): it
+        # takes the d of the activation block it lies in
+        n_act = fields["d"].size // tokens
+        per_token = {
+            f: np.repeat(fields[f].reshape(tokens, n_act), n_blocks // n_act, axis=1).T
+            for f in ("d", "s")
+            if f in fields
+        }
+        bsums = None
+        if "bsums" in fields and form.mins is not None:
+            # Q8_K keeps sums of 16; a weight sub-block of 32 is two of them (exact integers)
+            n_sub = form.mins.shape[1]
+            per_sub = fields["bsums"].reshape(tokens, n_blocks, n_sub, 16 // n_sub)
+            bsums = np.ascontiguousarray(per_sub.sum(axis=3).transpose(1, 0, 2), dtype=F32)
+        return cls(
+            q=np.ascontiguousarray(qs.transpose(1, 3, 0, 2), dtype=F32),
+            d=np.ascontiguousarray(per_token["d"]),
+            s=np.ascontiguousarray(per_token["s"]) if "s" in per_token else None,
+            bsums=bsums,
+        )
+
+
+@dataclass(frozen=True)
+class WeightBlocks:
+    """An :class:`IntegerForm` laid out for BLAS: block-major, weight rows last.
+
+    ``w`` is ``(n_blocks, lanes, block_size // lanes, R)`` float32, the integers with the
+    sub-block scales folded in (small exact integers; float64 where a block's sum can pass
+    2**24); ``d``, ``m``, ``dmin`` are ``(n_blocks, 1, R)`` and ``mins``
+    ``(n_blocks, n_sub, R)``, or None where absent; ``lanes``, ``sumi_first``,
+    ``isum_scale``, ``row_scale``, ``post`` (as ``d``) and ``group`` are the form's.
+    """
+
+    w: np.ndarray
+    d: np.ndarray
+    m: np.ndarray | None
+    dmin: np.ndarray | None
+    mins: np.ndarray | None
+    lanes: int
+    sumi_first: bool
+    isum_scale: float = 1.0
+    row_scale: float = 1.0
+    post: np.ndarray | None = None
+    group: int = 1
+
+    @classmethod
+    def of(cls, form: IntegerForm, rows: int) -> WeightBlocks:
+        block = form.q.shape[1]
+        n_blocks = form.q.shape[0] // rows
+        # every partial sum of a block's integer dot product must be exact: in float32 when
+        # it cannot pass 2**24, else in float64 (IQ2, IQ3_XXS: up to 128 * 256 * 62 * 31)
+        largest = _ACT_BOUND * (block // form.lanes) * form.bound
+        if largest > _EXACT_F64 or (largest > _EXACT_F32 and form.lanes > 1):
+            raise AssertionError(
+                f"{block // form.lanes} products up to {_ACT_BOUND} * {form.bound} can pass "
+                "the exact range of their float sum"
+            )
+        wide = np.float64 if largest > _EXACT_F32 else F32
+        w = form.q.astype(np.int32)
+        if form.scales is not None:
+            w *= np.repeat(form.scales.astype(np.int32), form.sub_size, axis=1)
+        w4 = w.reshape(rows, n_blocks, block // form.lanes, form.lanes).transpose(1, 3, 2, 0)
+
+        def per_block(a: np.ndarray) -> np.ndarray:
+            """(rows * n_blocks, k) -> (n_blocks, k, rows) float32."""
+            a3 = a.reshape(rows, n_blocks, a.shape[1]).transpose(1, 2, 0)
+            return np.ascontiguousarray(a3, dtype=F32)
+
+        return cls(
+            w=np.ascontiguousarray(w4, dtype=wide),
+            d=per_block(form.d),
+            m=None if form.m is None else per_block(form.m),
+            dmin=None if form.dmin is None else per_block(form.dmin),
+            mins=None if form.mins is None else per_block(form.mins),
+            lanes=form.lanes,
+            sumi_first=form.sumi_first,
+            isum_scale=form.isum_scale,
+            row_scale=form.row_scale,
+            post=None if form.post is None else per_block(form.post),
+            group=form.group,
+        )
+
+
+def vec_dot(acts: Activations, wb: WeightBlocks, tokens: slice) -> np.ndarray:
+    """ggml's CPU ``vec_dot`` of activation rows ``tokens`` with every weight row of ``wb``.
+
+    Returns ``(T, R)`` float32, equal bit for bit to ggml's generic C (``ggml-cpu/quants.c``)
+    compiled without FMA contraction. Per block, in block order: the integer sums (float32
+    BLAS, exact), then ``sumf += (d*y.d)*isum + m*y.s - (dmin*y.d)*msum`` (Q4_0:
+    ``(isum*d)*y.d``; IQ1: ``isum*isum_scale`` for ``isum``; IQ4_XS:
+    ``((d*y.d)*post)*isum``); with 8 lanes, ``(d*y.d)*isum`` goes to 8 accumulators instead,
+    added to ``sumf`` after the last block. With ``group`` > 1 (Q1_0, Q2_0) each run of
+    ``group`` blocks is one weight block: ``sumf += d * inner``, ``inner`` the float32 sum of
+    the run's ``y.d*isum``. The IQ2 and IQ3_XXS rows end with ``row_scale * sumf``.
+    """
+    q_act, d_act = acts.q[:, :, tokens], acts.d[:, tokens]
+    sumf = np.zeros((d_act.shape[1], wb.w.shape[3]), dtype=F32)
+    lane_sums = np.zeros((wb.lanes, *sumf.shape), dtype=F32)
+    inner = np.zeros_like(sumf)
+    for b in range(q_act.shape[0]):
+        # (lanes, T, R): exact integers; a float64 sum rounds to float32 as C's (float)sumi
+        sumi = np.matmul(q_act[b], wb.w[b]).astype(F32, copy=False)
+        if wb.isum_scale != 1.0:  # exact: a power of two on an integer below 2**24
+            sumi *= F32(wb.isum_scale)
+        yd = d_act[b][:, None]
+        mterm = None
+        if wb.mins is not None:  # - (dmin*y.d) * sum(m * bsums), integers exact as well
+            assert acts.bsums is not None and wb.dmin is not None
+            mterm = (wb.dmin[b] * yd) * np.matmul(acts.bsums[b, tokens], wb.mins[b])
+        if wb.lanes > 1:
+            sumi *= wb.d[b] * yd
+            lane_sums += sumi
+            if mterm is not None:
+                sumf -= mterm
+            continue
+        isum = sumi[0]
+        if wb.group > 1:  # C: sumi += d1*sumi_block over the run, then sumf += d0*sumi
+            inner = (F32(0) if b % wb.group == 0 else inner) + yd * isum
+            if b % wb.group == wb.group - 1:
+                sumf += wb.d[b] * inner
+            continue
+        if wb.post is not None:
+            term = ((wb.d[b] * yd) * wb.post[b]) * isum
+        else:
+            term = (isum * wb.d[b]) * yd if wb.sumi_first else (wb.d[b] * yd) * isum
+        if wb.m is not None:  # Q4_1 / Q5_1: + m*y.s, with the activation's stored fp16 s
+            assert acts.s is not None
+            term = term + wb.m[b] * acts.s[b, tokens][:, None]
+        if mterm is not None:
+            term = term - mterm
+        sumf += term
+    if wb.lanes > 1:
+        for lane in lane_sums:
+            sumf += lane
+    if wb.row_scale != 1.0:
+        sumf *= F32(wb.row_scale)
+    return sumf
+
+
+# Attention scores of at most this many query rows per KV head (a decode step: 1-2 tokens
+# times the heads sharing a KV head) are computed as (K Q^T)^T where that gives this BLAS's
+# bits for Q K^T (keys_first_exact): OpenBLAS then streams the cached keys as they are
+# stored, where Q K^T makes it pack all of them first. A 1B shape's 16 layers over 4352
+# cached positions, keys from memory: 7.2 ms a token against 18.3 (SmolLM2 at 4096: 26 ms of
+# a 47 ms token were this product). At 12 rows and more the packing pays for itself.
+KEYS_FIRST_ROWS = 8
+
+
+@functools.cache
+def keys_first_exact() -> bool:
+    """Whether ``(k @ q^T)^T`` is ``q @ k^T`` bit for bit under this process's BLAS, for up
+    to :data:`KEYS_FIRST_ROWS` query rows: checked once, on sample shapes. OpenBLAS's
+    AVX-512 kernels sum each score's products in the same order either way (1080 shapes of 1
+    to 8 rows, head sizes 32 to 256, 7 to 4352 keys: all equal); its AVX2 (Haswell) kernels
+    do not (342 of them differ), and there the scores keep ``q @ k^T``."""
+    rng = np.random.default_rng(0)
+    for rows, hd in itertools.product((1, 2, 3, 4, 8), (64, 80, 128, 256)):
+        q = rng.standard_normal((2, rows, hd)).astype(F32)
+        k = rng.standard_normal((2, 300, hd)).astype(F32)
+        by_keys = np.matmul(k, q.transpose(0, 2, 1)).transpose(0, 2, 1)
+        if not np.array_equal(np.matmul(q, k.transpose(0, 2, 1)), by_keys):
+            return False
+    return True
+
+
+class NumpyBackend(ArrayBackend):
+    """The CPU arithmetic (``activations="q8"``), or the GPU one on numpy (``"f32"``)."""
+
+    name: ClassVar[str] = "numpy"
+    # attention's blocks of scores stay in cache; fastest of 256 KiB ... unblocked in
+    # perplexity at n_ctx 512 (SmolLM2, an AMD EPYC guest: 1.39 s a window against 1.55)
+    attention_bytes: ClassVar[int] = 2 << 20
+
+    def __init__(
+        self,
+        *,
+        device: str | None = None,
+        dequantize_all: bool = False,
+        activations: str = "q8",
+        activation_rounding: Rounding = "ref",
+        work_bytes: int = 64 << 20,
+        kernels: str | None = None,
+        threads: int | None = None,
+        blas_threads: int | None = 1,
+        **options: Any,
+    ) -> None:
+        if options:
+            raise BackendError(
+                f"backend numpy has no options {sorted(options)}; it takes activations, "
+                "activation_rounding, work_bytes, kernels, threads and blas_threads"
+            )
+        if kernels is None:
+            kernels = "numba" if kernels_available() else "numpy"
+        if kernels not in KERNELS:
+            raise BackendError(f"backend numpy: kernels must be one of {KERNELS}, not {kernels!r}")
+        if kernels == "numba" and not kernels_available():
+            raise BackendError(
+                "backend numpy: kernels='numba' needs numba; install it with "
+                "pip install 'qllama[fast]', or use kernels='numpy'"
+            )
+        for option, value in (("threads", threads), ("blas_threads", blas_threads)):
+            if value is not None and value < 1:
+                raise BackendError(f"backend numpy: {option} must be at least 1, not {value}")
+        if activations not in ACTIVATIONS:
+            raise BackendError(
+                f"backend numpy: activations must be one of {ACTIVATIONS}, not {activations!r}"
+            )
+        if activation_rounding not in ROUNDINGS:
+            raise BackendError(
+                f"backend numpy: activation_rounding must be one of {ROUNDINGS}, "
+                f"not {activation_rounding!r}"
+            )
+        if work_bytes < 1:
+            raise BackendError(f"backend numpy: work_bytes must be positive, not {work_bytes}")
+        super().__init__(
+            namespace("numpy"),
+            device=require_device(self.name, device, ("cpu",)),
+            dequantize_all=dequantize_all,
+        )
+        self.activations = activations
+        self.activation_rounding = activation_rounding
+        self.work_bytes = work_bytes
+        self.kernels = kernels
+        self.threads = threads
+        self.blas_threads = blas_threads
+        self._blas_limited = False
+        self._kernel_state: tuple[int, Any, int] | None = None  # thread id, module, threads
+        # ids of weights -> (the weights, kept so that the ids stay theirs; their Streams)
+
+    @property
+    def weight_types(self) -> frozenset[GGMLType]:
+        """The types ``prepare`` accepts in this mode (a declared table)."""
+        return Q8_WEIGHT_TYPES if self._q8 else ALL_TYPES
+
+    @property
+    def _q8(self) -> bool:
+        return self.activations == "q8" and not self.dequantize_all
+
+    # -- protocol ------------------------------------------------------------------------------
+
+    def supports(self, ggml_type: GGMLType) -> bool:
+        return ggml_type in self.weight_types
+
+    # Packed where ArrayBackend has Blocks: this backend keeps the file's bytes and unpacks
+    # only the rows a call works on (the others unpack whole tensors at prepare)
+    def prepare(self, tensor: QuantTensor) -> Packed | Dense:  # type: ignore[override]
+        if self.dequantize_all:
+            dense = super().prepare(tensor)
+            assert isinstance(dense, Dense)
+            return dense
+        check_supported(self, tensor, self.weight_types)
+        return Packed(tensor, quants.get(tensor.ggml_type))
+
+    def matmul(self, x: Any, w: Packed | Dense) -> Any:  # type: ignore[override]
+        if isinstance(w, Dense):
+            return super().matmul(x, w)
+        x = np.asarray(x, dtype=F32)
+        if x.ndim != 2 or x.shape[1] != w.tensor.row_length:
+            raise TensorShapeError(
+                f"matmul with '{w.tensor.name}' {w.tensor.shape} needs activations "
+                f"(T, {w.tensor.row_length}), got {x.shape}"
+            )
+        if self.activations == "f32":
+            return self._matmul_f32(x, w)
+        return self._matmul_q8(x, w)
+
+    def attention_scores(self, q: np.ndarray, k: np.ndarray) -> np.ndarray:
+        """``q @ k^T`` per KV head (:func:`~qllama.backends.base.attention_scores`), for a
+        decode step's few query rows as ``(k @ q^T)^T`` where those are the same bits
+        (:data:`KEYS_FIRST_ROWS`)."""
+        if q.shape[1] > KEYS_FIRST_ROWS or not keys_first_exact():
+            return np.matmul(q, k.transpose(0, 2, 1))
+        # C order: the softmax's sums then run along contiguous rows, as they did before
+        return np.ascontiguousarray(np.matmul(k, q.transpose(0, 2, 1)).transpose(0, 2, 1))
+
+    def embedding(self, ids: Any, w: Packed | Dense) -> Any:  # type: ignore[override]
+        if isinstance(w, Dense):
+            return super().embedding(ids, w)
+        # ggml's get_rows: only the wanted rows, unpacked and dequantized (inherited code)
+        ids = np.asarray(ids)
+        part, fields = w.rows(ids)
+        return super().embedding(np.arange(ids.shape[0]), Blocks(part, w.fmt, fields))
+
+    # -- the arithmetic ------------------------------------------------------------------------
+
+    def _matmul_f32(self, x: np.ndarray, w: Packed) -> np.ndarray:
+        """The GPU arithmetic, a chunk of dequantized rows at a time."""
+        out = np.empty((x.shape[0], w.tensor.rows), dtype=F32)
+        # dequantize_fields makes a few float32 temporaries of the chunk
+        for rows in self._row_chunks(w, per_row=16 * w.tensor.row_length + 8 * x.shape[0]):
+            part, fields = w.rows(rows)
+            out[:, rows] = super().matmul(x, Blocks(part, w.fmt, fields))
+        return out
+
+    def _matmul_q8(self, x: np.ndarray, w: Packed) -> np.ndarray:
+        """ggml's CPU matmul: quantize the activations once, then ``vec_dot`` by chunks."""
+        if self.kernels == "numba":
+            if w.tensor.ggml_type in KERNEL_TYPES and w.kernels_exact:
+                return self._matmul_kernels(x, w)
+            if w.tensor.ggml_type == GGMLType.F32:
+                return self._matmul_f32_view(x, w)
+        act_type = quants.get(w.fmt.vec_dot_type)
+        # F16 / BF16 activations round one way only; Q8_K's "simd" is its "ref" anyway
+        rounding: Rounding = self.activation_rounding if len(act_type.roundings) > 1 else "ref"
+        raw = quants.quantize(x, act_type.ggml_type, rounding=rounding)
+        act_fields = act_type.unpack(raw.reshape(-1, act_type.type_size))
+        tokens, k = x.shape
+        out = np.empty((tokens, w.tensor.rows), dtype=F32)
+        if w.fmt.vec_dot_type in FLOAT_DOT_TYPES:
+            # float weights: products of two halves are exact in float32; only the order of
+            # the float32 sum differs from ggml's SIMD accumulators
+            xr = act_type.dequantize_fields(act_fields, xp=self.xp).reshape(tokens, k)
+            for rows in self._row_chunks(w, per_row=16 * k + 8 * tokens):
+                part, fields = w.rows(rows)
+                wr = w.fmt.dequantize_fields(fields, xp=self.xp).reshape(part.shape)
+                out[:, rows] = np.matmul(xr, wr.T)
+            return out
+
+        acts: Activations | None = None
+        # Working set per weight row: its unpacked integers and float32 layout (~16 bytes an
+        # element), and per token the block sums, 8 lane accumulators and a few temporaries.
+        per_token = 4 * (2 * 8 + 6)
+        token_step = max(1, min(tokens, self.work_bytes // (64 * per_token)))
+        for rows in self._row_chunks(w, per_row=16 * k + per_token * token_step):
+            part, fields = w.rows(rows)
+            form = w.fmt.integer_form(fields)
+            if acts is None:
+                acts = Activations.of(act_fields, x.shape, form)
+            wb = WeightBlocks.of(form, part.rows)
+            for t0 in range(0, tokens, token_step):
+                t = slice(t0, min(tokens, t0 + token_step))
+                out[t, rows] = vec_dot(acts, wb, t)
+        return out
+
+    def _matmul_kernels(self, x: np.ndarray, w: Packed) -> np.ndarray:
+        """The same numbers as :meth:`_matmul_q8`'s integer path, from compiled kernels."""
+        streams = self._streams((w,))
+        if streams is None:  # a format of the loops of kernels/matmul.py
+            return self._loops(np.ascontiguousarray(x, dtype=F32), (w,))[0]
+        return self._stream(x, (w,), streams)[0]
+
+    def matmuls(self, x: Any, ws: Sequence[Packed | Dense]) -> tuple[Any, ...]:
+        """``x @ W.T`` for each of ``ws``, the same numbers as :meth:`matmul` on each: one
+        kernel call where the streaming kernels compute them all (one format, one file), so
+        that a layer's Q, K and V (or gate and up) cost one dispatch."""
+        streams = self._streams(ws) if self.kernels == "numba" and self._q8 else None
+        if streams is None:
+            return tuple(self.matmul(x, w) for w in ws)
+        x = np.asarray(x, dtype=F32)
+        if x.ndim != 2 or x.shape[1] != ws[0].tensor.row_length:
+            raise TensorShapeError(
+                f"matmul with '{ws[0].tensor.name}' {ws[0].tensor.shape} needs activations "
+                f"(T, {ws[0].tensor.row_length}), got {x.shape}"
+            )
+        return self._stream(x, cast(Sequence[Packed], ws), streams)  # Streams: all Packed
+
+    def _streams(self, ws: Sequence[Any]) -> Streams | None:
+        """What one streaming call needs for ``ws`` (remembered by the first of them), or
+        None where one call cannot take them all."""
+        if not isinstance(ws[0], Packed):
+            return None
+        known, key = ws[0].streams, tuple(map(id, ws[1:]))
+        if key not in known:
+            known[key] = Streams.of(ws)
+        return known[key]
+
+    def _stream(self, x: np.ndarray, ws: Sequence[Packed], s: Streams) -> tuple[np.ndarray, ...]:
+        """The streaming kernel on the weights ``ws`` (their Streams ``s``): one (T, rows_i)
+        array each."""
+        ck, threads = self._kernels_for_this_thread()
+        x = np.ascontiguousarray(x, dtype=F32)
+        tokens = x.shape[0]
+        serial = threads == 1 or tokens * s.macs_per_token < SERIAL_MACS
+        stream = ck.streaming(s.code, tokens, serial=serial)
+        if stream is None:  # this many tokens go to the loops of kernels/matmul.py
+            return self._loops(x, ws)
+        flat = np.empty(tokens * s.total_rows, F32)
+        simd = self.activation_rounding == "simd"
+        stream(s.buffer, s.offsets, s.rows, x, simd, threads, flat, tokens * s.starts)
+        self._limit_blas_once()
+        return tuple(
+            flat[tokens * a : tokens * (a + r)].reshape(tokens, r) for a, r in s.spans
+        )  # (tokens, rows_i) each
+
+    def _loops(self, x: np.ndarray, ws: Sequence[Packed]) -> tuple[np.ndarray, ...]:
+        """The loops of kernels/matmul.py (the IQ and table formats), a call per weight."""
+        ck, threads = self._kernels_for_this_thread()
+        simd = self.activation_rounding == "simd"
+        outs = []
+        for w in ws:
+            serial = threads == 1 or x.size * w.tensor.rows < SERIAL_MACS
+            kernel = ck.kernel(int(w.tensor.ggml_type), serial=serial)
+            outs.append(kernel(w.tensor.data, w.tensor.rows, x, simd, threads))
+        self._limit_blas_once()
+        return tuple(outs)
+
+    def _limit_blas_once(self) -> None:
+        if not self._blas_limited:  # after the first call, which loads the last BLAS (scipy's)
+            self._blas_limited = True
+            if self.blas_threads is not None:
+                _limit_blas(self.blas_threads)
+
+    def _kernels_for_this_thread(self) -> tuple[Any, int]:
+        """The kernels module and numba's thread count in the calling thread (numba keeps
+        one per thread), set from ``threads`` on the first call there; a few microseconds
+        saved on each of a decode step's 200 matmuls."""
+        ident = threading.get_ident()
+        if self._kernel_state is None or self._kernel_state[0] != ident:
+            import numba
+
+            from qllama.backends.numpy.kernels import matmul
+
+            if self.threads is not None:
+                numba.set_num_threads(self.threads)
+            self._kernel_state = (ident, matmul, numba.get_num_threads())
+        return self._kernel_state[1], self._kernel_state[2]
+
+    def _matmul_f32_view(self, x: np.ndarray, w: Packed) -> np.ndarray:
+        """F32 weights: the oracle's BLAS products, on a view of the file instead of a copy.
+
+        Same activations (F32 "quantization" copies bits), same row chunks, same shapes: the
+        same BLAS calls as the plain path.
+        """
+        tokens, k = x.shape
+        view = w.tensor.data.view("<f4").reshape(w.tensor.shape)
+        out = np.empty((tokens, w.tensor.rows), dtype=F32)
+        for rows in self._row_chunks(w, per_row=16 * k + 8 * tokens):
+            out[:, rows] = np.matmul(x, view[rows].T)
+        return out
+
+    def _row_chunks(self, w: Packed, *, per_row: int) -> list[slice]:
+        """Slices of weight rows whose working set stays near ``work_bytes``."""
+        step = max(1, self.work_bytes // max(1, per_row))
+        return [slice(r, min(r + step, w.tensor.rows)) for r in range(0, w.tensor.rows, step)]

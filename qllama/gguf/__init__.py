@@ -1,0 +1,1 @@
+"""The file format: GGUF reading and writing, overlays, the file quantizer, importance matrices."""

@@ -1,0 +1,2 @@
+"""Measuring drift: comparisons with a reference, metrics, layer traces, attribution,
+perplexity and its KL-divergence bases, transformers references, corpora."""

@@ -1,0 +1,328 @@
+"""Perplexity and KL divergence over a corpus, as ``llama-perplexity`` computes them.
+
+The protocol is llama.cpp's (tools/perplexity/perplexity.cpp), so that numbers line up with
+the tables the community publishes:
+
+* the text is tokenized once (BOS first where the vocabulary adds one) and cut into
+  non-overlapping windows of ``n_ctx`` tokens, ``len // n_ctx`` of them (at most ``n_chunks``);
+  at least ``2 * n_ctx`` tokens are needed;
+* each window starts a new sequence (the KV cache is cleared), with its first token replaced
+  by BOS where the vocabulary adds one;
+* only the second half is scored: positions ``n_ctx/2 ... n_ctx-2`` predict the next token,
+  ``n_ctx - 1 - n_ctx/2`` predictions per window (the first half gives them context);
+* perplexity is ``exp`` of the mean negative log-likelihood, printed as llama.cpp prints it:
+  ``Final estimate: PPL = 14.3767 +/- 0.12345`` with ``PPL * sqrt(var(nll) / (n - 1))``;
+* against a base (``--kl-divergence-base``), per scored position: KL(base || model),
+  Δp = p_model(token) - p_base(token), whether both argmaxes agree, and both NLLs; their statistics
+  (:func:`qllama.measure.metrics.summarize`) and lines
+  (:func:`qllama.measure.metrics.format_kl_stats`) are llama-perplexity's, and statistics need at
+  least 100 positions, as there.
+
+Bases are written and read window by window (:mod:`qllama.measure.kld_base`), so memory stays at one
+window's logits. A window's logits come from a *scorer*: a qllama model on any backend and
+arithmetic (:func:`qllama_scorer`), or the transformers f32 reference (:func:`transformers_scorer`).
+The model runs the first half of each window for its cache only (one row of logits), then the
+scored half with the logits of every position, skipping the window's last token, whose
+prediction is never scored (by causality, nothing else depends on it).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from qllama.array_api import to_numpy
+from qllama.errors import QllamaError
+from qllama.measure import metrics
+from qllama.measure.kld_base import BaseFile, BaseFileError, BaseWriter, scored
+
+MIN_STATISTICS = 100  # llama-perplexity prints no KL statistics over fewer positions
+
+# The CPU arithmetic as llama.cpp's CPU backend computes it (``qllama.load`` options; numpy
+# backend): activations quantized by the x86/ARM SIMD quantizers (ties to even, id = 127/amax)
+# and llama-perplexity's attention, an f16 KV cache read by the tiled CPU flash attention.
+# docs/perplexity.md says what each part moves and what remains.
+LLAMA_CPP_CPU: dict[str, Any] = {"activation_rounding": "simd", "kv_precision": "f16-flash"}
+
+# (window tokens (n_ctx,), first scored position) -> logits of positions first ... n_ctx-2
+Scorer = Callable[[np.ndarray, int], np.ndarray]
+Progress = Callable[[int], Any]  # called with the tokens of each window done
+
+
+class CorpusError(QllamaError):
+    """The text is too short for the windows, or does not match the base."""
+
+
+@dataclass(frozen=True)
+class Windows:
+    """The corpus cut into llama-perplexity's windows."""
+
+    tokens: np.ndarray  # (n_chunk, n_ctx) int32, as the text gave them
+    bos: int | None = None  # put at each window's start, where the vocabulary adds BOS
+
+    @property
+    def n_chunk(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def n_ctx(self) -> int:
+        return int(self.tokens.shape[1])
+
+    @property
+    def first(self) -> int:
+        """The first scored position."""
+        return self.n_ctx // 2
+
+    @property
+    def n_scored(self) -> int:
+        """Scored positions per window."""
+        return scored(self.n_ctx)
+
+    def evaluated(self, i: int) -> np.ndarray:
+        """Window ``i`` as the model sees it: BOS in place of its first token if added."""
+        w = self.tokens[i].copy()
+        if self.bos is not None:
+            w[0] = self.bos
+        return w
+
+    def targets(self, i: int) -> np.ndarray:
+        """The tokens the scored positions of window ``i`` predict."""
+        return self.tokens[i, self.first + 1 :]
+
+
+def windows(
+    ids: Sequence[int] | np.ndarray,
+    n_ctx: int,
+    *,
+    n_chunks: int | None = None,
+    bos: int | None = None,
+) -> Windows:
+    """Cut token ids into ``len(ids) // n_ctx`` windows (at most ``n_chunks``)."""
+    if n_ctx < 4:
+        raise CorpusError(f"the context must be at least 4 tokens, not {n_ctx}")
+    if n_chunks is not None and n_chunks < 1:
+        raise CorpusError(f"the number of windows must be at least 1, not {n_chunks}")
+    arr = np.asarray(ids, dtype=np.int32).reshape(-1)
+    if arr.size < 2 * n_ctx:
+        raise CorpusError(
+            f"you need at least {2 * n_ctx} tokens to evaluate perplexity with a context of "
+            f"{n_ctx}; the text tokenizes to only {arr.size}"
+        )
+    n = arr.size // n_ctx if n_chunks is None else min(n_chunks, arr.size // n_ctx)
+    return Windows(arr[: n * n_ctx].reshape(n, n_ctx), bos)  # (n_chunk, n_ctx)
+
+
+def tokenize(tokenizer: Any, text: str) -> list[int]:
+    """The corpus ids as llama-perplexity makes them: BOS first if the file adds one, special
+    tokens written in the text left as text (``common_tokenize(..., add_special=true)``)."""
+    return tokenizer.encode(text, special=False)
+
+
+def windows_of_base(base: BaseFile, tokenizer: Any) -> Windows:
+    """The windows a base was made on (its tokens), BOS as this model's vocabulary adds it."""
+    if base.header.n_vocab != tokenizer.n_vocab:
+        raise BaseFileError(
+            f"{base.path} was made over a vocabulary of {base.header.n_vocab}; this model has "
+            f"{tokenizer.n_vocab}"
+        )
+    return Windows(base.tokens, tokenizer.bos_id if tokenizer.add_bos else None)
+
+
+# --- scorers ------------------------------------------------------------------------------------
+
+
+def qllama_scorer(model: Any) -> Scorer:
+    """Logits of a window's scored positions from a qllama model (any backend, arithmetic)."""
+
+    def score(tokens: np.ndarray, first: int) -> np.ndarray:
+        model.forward(tokens[:first], 0)  # a new sequence: the context half, into the cache
+        logits = model.forward(tokens[first:-1], first, all_logits=True)
+        return np.asarray(to_numpy(logits), dtype=np.float32)  # (n_ctx - 1 - first, vocab)
+
+    return score
+
+
+def transformers_scorer(model: Any) -> Scorer:
+    """Logits of a window's scored positions from a transformers model (the f32 reference of
+    :func:`qllama.measure.reference.load_transformers`), one forward pass per window."""
+    import torch
+
+    def score(tokens: np.ndarray, first: int) -> np.ndarray:
+        with torch.no_grad():
+            ids = torch.tensor(tokens[None, :-1].astype(np.int64))
+            logits = model(ids).logits[0, first:]  # (n_ctx - 1 - first, vocab)
+        return np.ascontiguousarray(logits.float().numpy())
+
+    return score
+
+
+# --- scoring ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Scores:
+    """Per-position results of a run: NLLs, and against a base every per-token value."""
+
+    n_ctx: int
+    nll: list[np.ndarray] = field(default_factory=list)  # per window, float64
+    values: list[metrics.TokenValues] = field(default_factory=list)  # per window, with a base
+
+    @property
+    def count(self) -> int:
+        return sum(x.size for x in self.nll)
+
+    def all_nll(self) -> np.ndarray:
+        return np.concatenate(self.nll) if self.nll else np.zeros(0)
+
+    def ppl(self) -> tuple[float, float]:
+        """Perplexity and its ± as llama-perplexity prints them."""
+        x = self.all_nll()
+        mean = float(x.mean())
+        var = float(np.mean(x * x) - mean * mean)
+        ppl = math.exp(mean)
+        unc = ppl * math.sqrt(var / (x.size - 1)) if var > 0 and x.size > 1 else 0.0
+        return ppl, unc
+
+    def token_values(self) -> metrics.TokenValues:
+        if not self.values:
+            raise CorpusError("no base was given: there are no KL values")
+        return metrics.TokenValues.concat(self.values)
+
+    def kl(self) -> metrics.KLStats:
+        """llama-perplexity's KL statistics (at least :data:`MIN_STATISTICS` positions)."""
+        v = self.token_values()
+        if len(v) < MIN_STATISTICS:
+            raise CorpusError(
+                f"{len(v)} scored positions: llama-perplexity gives no statistics below "
+                f"{MIN_STATISTICS}; use more windows"
+            )
+        return metrics.summarize(v)
+
+
+def run(
+    scorer: Scorer,
+    wins: Windows,
+    *,
+    base: BaseFile | None = None,
+    save: BaseWriter | None = None,
+    progress: Progress | None = None,
+    on_window: Callable[[int, Scores], Any] | None = None,
+) -> Scores:
+    """Score every window; compare with ``base`` and/or write the logits to ``save``."""
+    if base is not None and not np.array_equal(base.tokens, wins.tokens):
+        raise BaseFileError(f"{base.path} holds other windows than these")
+    scores = Scores(wins.n_ctx)
+    for i in range(wins.n_chunk):
+        logits = scorer(wins.evaluated(i), wins.first)
+        targets = wins.targets(i)
+        if logits.shape[0] != targets.size:
+            raise QllamaError(f"the scorer gave {logits.shape[0]} rows for {targets.size}")
+        if save is not None:
+            save.write(logits)
+        if base is not None:
+            v = base.token_values(i, logits, targets)
+            scores.values.append(v)
+            scores.nll.append(v.nll_test)
+        else:
+            scores.nll.append(metrics.nll(logits, targets))
+        if progress is not None:
+            progress(wins.n_ctx)
+        if on_window is not None:
+            on_window(i, scores)
+    return scores
+
+
+# --- what llama-perplexity prints ---------------------------------------------------------------
+
+KL_TABLE_HEAD = (
+    "chunk             PPL               ln(PPL(Q)/PPL(base))          KL Divergence"
+    "              Δp RMS            Same top p"
+)
+
+
+def ppl_running(scores: Scores) -> str:
+    """The perplexity so far, as llama-perplexity prints it after window ``i``: ``[i]14.3767,``."""
+    return f"[{len(scores.nll)}]{math.exp(scores.all_nll().mean()):.4f},"
+
+
+def ppl_final(scores: Scores) -> str:
+    """``Final estimate: PPL = ... +/- ...``."""
+    ppl, unc = scores.ppl()
+    return f"Final estimate: PPL = {ppl:.4f} +/- {unc:.5f}"
+
+
+def kl_running(scores: Scores) -> str:
+    """The running KL line llama-perplexity prints after each window."""
+    v = scores.token_values()
+    a, b, n = v.nll_test, v.nll_ref, len(v)
+    ua, ub, cov = metrics.uncertainty(a), metrics.uncertainty(b), metrics.covariance(a, b)
+    ppl = math.exp(a.mean())
+    ratio_unc = math.sqrt(max(ua * ua + ub * ub - 2 * cov, 0.0))
+    dp2 = v.dp * v.dp
+    rms = math.sqrt(dp2.mean())
+    rms_unc = 0.5 / rms * metrics.uncertainty(dp2) if rms > 0 else 0.0
+    same = float(v.same.mean())
+    same_unc = math.sqrt(same * (1 - same) / (n - 1)) if n > 1 else 0.0
+    return (
+        f"{len(scores.values):4d}    {ppl:9.4f} ± {ppl * ua:9.4f}"
+        f"    {a.mean() - b.mean():10.5f} ± {ratio_unc:10.5f}"
+        f"    {v.kld.mean():10.5f} ± {metrics.uncertainty(v.kld):10.5f}"
+        f"    {100 * rms:6.3f} ± {100 * rms_unc:6.3f} %"
+        f"    {100 * same:6.3f} ± {100 * same_unc:6.3f} %"
+    )
+
+
+# --- the corpus measure -------------------------------------------------------------------------
+
+
+def measure(
+    model: Any,
+    base: str | os.PathLike[str] | BaseFile,
+    *,
+    n_chunks: int | None = None,
+    progress: Progress | None = None,
+) -> dict[str, Any]:
+    """The corpus measure: a qllama model against a base file, as numbers.
+
+    Returns llama-perplexity's statistics (:class:`qllama.measure.metrics.KLStats` as a dict) with
+    ``ppl`` and ``ppl_unc`` (the model's perplexity and its ±), ``tokens`` (positions scored)
+    and ``windows``. The windows are the base's (its first ``n_chunks``).
+    """
+    b = base if isinstance(base, BaseFile) else BaseFile.open(base)
+    wins = windows_of_base(b, model.tokenizer)
+    if n_chunks is not None:
+        wins = Windows(wins.tokens[:n_chunks], wins.bos)
+        b = b.head(n_chunks)
+    scores = run(qllama_scorer(model), wins, base=b, progress=progress)
+    ppl, unc = scores.ppl()
+    return {
+        **scores.kl().to_dict(),
+        "ppl": ppl,
+        "ppl_unc": unc,
+        "tokens": scores.count,
+        "windows": wins.n_chunk,
+        "n_ctx": wins.n_ctx,
+        "base_format": b.header.fmt,
+    }
+
+
+__all__ = [
+    "LLAMA_CPP_CPU",
+    "MIN_STATISTICS",
+    "CorpusError",
+    "Scorer",
+    "Scores",
+    "Windows",
+    "measure",
+    "qllama_scorer",
+    "run",
+    "tokenize",
+    "transformers_scorer",
+    "windows",
+    "windows_of_base",
+]

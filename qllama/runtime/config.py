@@ -1,0 +1,317 @@
+"""The hyperparameters of a model, read and checked from GGUF metadata.
+
+:meth:`ModelConfig.from_gguf` reads the keys llama.cpp reads for the file's architecture
+(:mod:`qllama.runtime.architectures`), with llama.cpp's defaults, and refuses any value qllama would
+not compute exactly: a scaling type it does not implement (YaRN, LongRoPE), a mixture of
+experts, a key of a feature it lacks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from qllama.errors import ModelConfigError
+from qllama.ggml_types import FLOAT_VALUE_TYPES, INTEGER_VALUE_TYPES, ValueType
+from qllama.gguf.reader import GGUFFile
+from qllama.runtime.architectures import (
+    Architecture,
+    Embedding,
+    LayerKind,
+    QueryScale,
+    Rope,
+    architecture,
+)
+
+MAX_LAYERS = 512  # llama.cpp's LLAMA_MAX_LAYERS
+MAX_CONTEXT = 1 << 24
+MAX_WIDTH = 1 << 20
+ROPE_SCALINGS = ("none", "linear")  # what qllama computes of rope.scaling.type
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape and constants of the model (names follow llama.cpp's GGUF keys).
+
+    Fields left at 0 take llama.cpp's default: ``key_length`` and ``value_length`` are
+    ``n_embd // n_head``, ``n_rot`` is the key length, ``attn_scale`` is
+    ``1 / sqrt(head_dim)``; a softcap, embedding, residual or logit scale of 0 is off.
+    """
+
+    n_vocab: int
+    n_embd: int  # residual stream width
+    n_layer: int
+    n_head: int  # query heads
+    n_head_kv: int  # key/value heads (< n_head under grouped-query attention)
+    n_ff: int  # MLP hidden width
+    n_ctx: int  # context length the model was trained for
+    rope_base: float
+    eps: float  # RMSNorm epsilon
+    arch: str = "llama"
+    key_length: int = 0  # head_dim of queries and keys
+    value_length: int = 0  # head_dim of values
+    n_rot: int = 0  # rotated dimensions of a head (< head_dim: partial rotary)
+    rope_scale: float = 1.0  # 1 / rope.scaling.factor (linear scaling)
+    rope_freqs: bool = False  # the file has rope_freqs.weight: angles are divided by it
+    layers: tuple[LayerKind, ...] = ()  # per block: rotation and window (() : all global)
+    attn_scale: float = 0.0
+    attn_softcap: float = 0.0  # scores -> c tanh(scores / c) before the mask
+    final_softcap: float = 0.0  # logits -> c tanh(logits / c)
+    embedding_scale: float = 0.0  # token embeddings times this
+    residual_scale: float = 0.0  # each block's attention and MLP outputs times this
+    logit_scale: float = 0.0  # logits divided by this
+
+    @property
+    def features(self) -> Architecture:
+        """The declaration of this architecture."""
+        return architecture(self.arch)
+
+    @property
+    def head_dim(self) -> int:
+        return self.key_length or self.n_embd // self.n_head
+
+    @property
+    def head_dim_v(self) -> int:
+        return self.value_length or self.n_embd // self.n_head
+
+    @property
+    def rope_dim(self) -> int:
+        """Rotated dimensions per head (``rope.dimension_count``)."""
+        return self.n_rot or self.head_dim
+
+    @property
+    def n_rep(self) -> int:
+        """Query heads per key/value head."""
+        return self.n_head // self.n_head_kv
+
+    @property
+    def query_scale(self) -> float:
+        # written as 1.0 / head_dim**0.5, the expression of the llama path since its first
+        # results, so that SmolLM2's numbers stay bit for bit what they were
+        return self.attn_scale or 1.0 / self.head_dim**0.5
+
+    def layer(self, i: int) -> LayerKind:
+        """Rotation and window of block ``i``."""
+        if self.layers:
+            return self.layers[i]
+        return LayerKind(Rope(self.rope_base, self.rope_scale, self.rope_freqs))
+
+    @classmethod
+    def from_gguf(cls, f: GGUFFile) -> ModelConfig:
+        """Read ``{arch}.*`` keys; every missing, mistyped or out-of-range value is a
+        :class:`ModelConfigError` raised before anything is allocated from it."""
+        arch = f.kv.get("general.architecture")
+        if arch is None or not isinstance(arch.value, str):
+            raise ModelConfigError("general.architecture is missing or not a string")
+        return _Reader(f, architecture(arch.value)).config()
+
+
+class _Reader:
+    """The keys of one file, read as llama.cpp reads them for its architecture."""
+
+    def __init__(self, f: GGUFFile, a: Architecture) -> None:
+        self.f, self.a, self.p = f, a, a.name
+
+    def value(self, key: str) -> Any:
+        return self.f.kv.get(f"{self.p}.{key}")
+
+    def integer(self, key: str, low: int, high: int, default: int | None = None) -> int:
+        v = self.value(key)
+        if v is None:
+            if default is None:
+                raise ModelConfigError(f"key not found: {self.p}.{key}")
+            return default
+        if v.type not in INTEGER_VALUE_TYPES:
+            raise ModelConfigError(
+                f"key {self.p}.{key} has type {v.type.name}, expected an integer"
+            )
+        if not low <= v.value <= high:
+            raise ModelConfigError(f"key {self.p}.{key} is {v.value}, outside [{low}, {high}]")
+        return int(v.value)
+
+    def real(self, key: str, default: float | None = None, *, positive: bool = True) -> float:
+        v = self.value(key)
+        if v is None:
+            if default is None:
+                raise ModelConfigError(f"key not found: {self.p}.{key}")
+            return default
+        if v.type not in FLOAT_VALUE_TYPES:
+            raise ModelConfigError(f"key {self.p}.{key} has type {v.type.name}, expected a float")
+        ok = math.isfinite(v.value) and (v.value > 0 if positive else v.value >= 0)
+        if not ok:
+            bound = "> 0" if positive else ">= 0"
+            raise ModelConfigError(f"key {self.p}.{key} is {v.value}, must be finite and {bound}")
+        return float(v.value)
+
+    def typed(self, key: str, vtype: ValueType, default: Any) -> Any:
+        """A string or bool key: ``default`` if absent, an error naming it if mistyped."""
+        v = self.value(key)
+        if v is None:
+            return default
+        if v.type != vtype:
+            raise ModelConfigError(
+                f"key {self.p}.{key} has type {v.type.name}, expected {vtype.name.lower()}"
+            )
+        return v.value
+
+    def text(self, key: str, default: str) -> str:
+        return str(self.typed(key, ValueType.STRING, default))
+
+    def flag(self, key: str, default: bool) -> bool:
+        return bool(self.typed(key, ValueType.BOOL, default))
+
+    def refuse_unsupported(self) -> None:
+        """Keys of features qllama does not compute: an error naming the key."""
+        for key in self.a.refused_keys:
+            if self.value(key) is not None:
+                raise ModelConfigError(
+                    f"{self.p}.{key} is set: qllama does not compute this feature of {self.p}"
+                )
+        if self.integer("expert_count", 0, 1 << 16, default=0) > 0:
+            raise ModelConfigError(
+                f"{self.p}.expert_count is set: mixtures of experts are not supported"
+            )
+        scaling = self.text("rope.scaling.type", "linear")
+        if scaling not in ROPE_SCALINGS:
+            raise ModelConfigError(
+                f"{self.p}.rope.scaling.type is '{scaling}': qllama computes "
+                f"{' and '.join(ROPE_SCALINGS)} RoPE scaling only"
+            )
+        attn_factor = self.real("rope.scaling.attn_factor", 1.0)
+        if attn_factor != 1.0:
+            raise ModelConfigError(
+                f"{self.p}.rope.scaling.attn_factor is {attn_factor}: scaled RoPE magnitudes "
+                "(LongRoPE, YaRN) are not supported"
+            )
+
+    def heads(self, n_embd: int) -> tuple[int, int, int, int, int]:
+        """n_head, n_head_kv, key length, value length, n_rot (checked against each other)."""
+        p, a = self.p, self.a
+        n_head = self.integer("attention.head_count", 1, n_embd)
+        n_head_kv = self.integer("attention.head_count_kv", 1, n_head, default=n_head)
+        if n_head % n_head_kv:
+            raise ModelConfigError(
+                f"{p}.attention.head_count {n_head} is not a multiple of head_count_kv {n_head_kv}"
+            )
+        if self.value("attention.key_length") is None and n_embd % n_head:
+            raise ModelConfigError(
+                f"{p}.embedding_length {n_embd} is not a multiple of head_count {n_head}"
+            )
+        k_len = self.integer("attention.key_length", 1, MAX_WIDTH, default=n_embd // n_head)
+        v_len = self.integer("attention.value_length", 1, MAX_WIDTH, default=n_embd // n_head)
+        if a.q_width_is_embd and n_head * k_len != n_embd:
+            raise ModelConfigError(
+                f"{p}.attention.key_length {k_len} x head_count {n_head} != embedding_length "
+                f"{n_embd}: llama.cpp's {p} sizes the query projection as n_embd"
+            )
+        for dim in (k_len, self.integer("rope.dimension_count", 1, MAX_WIDTH, default=k_len)):
+            if dim % 2:
+                raise ModelConfigError(f"head dimension {dim} is odd; RoPE rotates pairs")
+        n_rot = self.integer("rope.dimension_count", 1, k_len, default=k_len)
+        if n_rot != k_len and not a.partial_rotary:
+            raise ModelConfigError(
+                f"{p}.rope.dimension_count {n_rot} != head dimension {k_len} "
+                f"(partial RoPE is not supported for {p})"
+            )
+        return n_head, n_head_kv, k_len, v_len, n_rot
+
+    def layer_kinds(self, n_layer: int, base: float, scale: float, factors: bool) -> tuple:
+        """Per block: the rotation (with the sliding layers' own base) and the window."""
+        a = self.a
+        window = self.integer("attention.sliding_window", 0, MAX_CONTEXT, default=a.swa_window)
+        if a.swa_pattern == 0 or (
+            a.swa_needs_key and self.value("attention.sliding_window") is None
+        ):
+            window = 0
+        sliding = self.sliding_layers(n_layer) if window else [False] * n_layer
+        swa_base = a.swa_rope_base_default or base
+        swa_rope = Rope(
+            self.real("rope.freq_base_swa", swa_base) if a.swa_rope_base_key else base,
+            1.0 if a.swa_rope_scale_one else scale,
+            factors,
+        )
+        rope_on = not a.rope_off_unless_finetuned or self.flag("rope.scaling.finetuned", True)
+        kinds = []
+        for i in range(n_layer):
+            rope: Rope | None = swa_rope if sliding[i] else Rope(base, scale, factors)
+            if not rope_on or (a.nope_every and (i + 1) % a.nope_every == 0):
+                rope = None
+            kinds.append(LayerKind(rope, window if sliding[i] else 0))
+        return tuple(kinds)
+
+    def sliding_layers(self, n_layer: int) -> list[bool]:
+        """llama.cpp's load_swa_pattern: a per-layer bool array, or a period P (layer il
+        slides iff il % P < P - 1; P = 0: every layer)."""
+        key = f"{self.p}.attention.sliding_window_pattern"
+        v = self.value("attention.sliding_window_pattern")
+        if v is not None and v.type == ValueType.ARRAY:
+            if v.elem_type != ValueType.BOOL or len(v.value) != n_layer:
+                raise ModelConfigError(f"key {key} must be {n_layer} bools, one per layer")
+            return [bool(b) for b in np.asarray(v.value).tolist()]
+        n = self.integer("attention.sliding_window_pattern", 0, MAX_LAYERS, self.a.swa_pattern)
+        return [n == 0 or i % n < n - 1 for i in range(n_layer)]
+
+    def query_scale(self, n_embd: int, n_head: int, n_layer: int) -> float:
+        a = self.a
+        if a.query_scale == QueryScale.GEMMA and n_layer == a.embd_query_scale_layers:
+            return 1.0 / math.sqrt(n_embd // n_head)  # the 27B models (llama.cpp's rule)
+        if a.query_scale == QueryScale.KEY:
+            return self.real("attention.scale", 0.0, positive=False)
+        return 0.0
+
+    def softcap(self, key: str, default: float | None) -> float:
+        """A soft-cap the architecture reads (0: off); 0 for one it does not."""
+        return 0.0 if default is None else self.real(key, default, positive=False)
+
+    def config(self) -> ModelConfig:
+        a = self.a
+        self.refuse_unsupported()
+        n_embd = self.integer("embedding_length", 1, MAX_WIDTH)
+        n_layer = self.integer("block_count", 1, MAX_LAYERS)
+        n_head, n_head_kv, k_len, v_len, n_rot = self.heads(n_embd)
+        tokens = self.f.kv.get("tokenizer.ggml.tokens")
+        n_vocab_default = (
+            len(tokens.value) if tokens is not None and isinstance(tokens.value, list) else None
+        )
+        base = self.real("rope.freq_base", 10000.0)
+        factor = self.real("rope.scaling.factor", 0.0, positive=False)
+        if factor == 0.0:
+            factor = self.real("rope.scale_linear", 0.0, positive=False)
+        scaling = self.text("rope.scaling.type", "linear")
+        scale = 1.0 if factor == 0.0 or scaling == "none" else 1.0 / factor
+        factors = "rope_freqs.weight" in self.f.tensors
+        kinds = self.layer_kinds(n_layer, base, scale, factors)
+        uniform = all(k == LayerKind(Rope(base, scale, factors)) for k in kinds)
+        scaled = a.scales_logits_and_residuals
+        emb = 0.0
+        if a.embedding == Embedding.SQRT_EMBD:
+            emb = math.sqrt(n_embd)
+        elif a.embedding == Embedding.KEY:
+            emb = self.real("embedding_scale", 0.0, positive=False)
+        return ModelConfig(
+            n_vocab=self.integer("vocab_size", 1, 1 << 24, default=n_vocab_default),
+            n_embd=n_embd,
+            n_layer=n_layer,
+            n_head=n_head,
+            n_head_kv=n_head_kv,
+            n_ff=self.integer("feed_forward_length", 1, MAX_WIDTH * 8),
+            n_ctx=self.integer("context_length", 1, MAX_CONTEXT),
+            rope_base=base,
+            eps=self.real("attention.layer_norm_rms_epsilon"),
+            arch=a.name,
+            key_length=k_len,
+            value_length=v_len,
+            n_rot=n_rot,
+            rope_scale=scale,
+            rope_freqs=factors,
+            layers=() if uniform else kinds,
+            attn_scale=self.query_scale(n_embd, n_head, n_layer),
+            attn_softcap=self.softcap("attn_logit_softcapping", a.attn_softcap),
+            final_softcap=self.softcap("final_logit_softcapping", a.final_softcap),
+            embedding_scale=emb,
+            residual_scale=(self.real("residual_scale", 0.0, positive=False) if scaled else 0.0),
+            logit_scale=self.real("logit_scale") if scaled else 0.0,
+        )

@@ -1,0 +1,233 @@
+"""``qllama.load``: a GGUF file -> a checked, ready model on a backend.
+
+Everything about the file is checked before a backend sees a byte of it: the configuration
+(:mod:`qllama.runtime.config`, per architecture), every tensor's presence, type and shape against
+the architecture's declaration (:mod:`qllama.runtime.architectures`; a tensor it would not use is
+refused), the vocabulary against the embedding, and (by default) that no block scale or norm weight
+is NaN or infinite.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from qllama import quants
+from qllama.backends import get_backend
+from qllama.backends.base import Backend, QuantTensor
+from qllama.errors import ModelConfigError, TensorShapeError, WeightValueError
+from qllama.gguf.overlay import overlay
+from qllama.gguf.reader import GGUFFile, TensorInfo, read_gguf
+from qllama.runtime.architectures import Tensor
+from qllama.runtime.arithmetic import policy_backend
+from qllama.runtime.config import ModelConfig
+from qllama.runtime.model import LayerWeights, Model, Weights
+
+FLOAT_1D_TYPES = ("F32", "F16", "BF16")  # norms, biases and rope_freqs are never quantized
+
+
+def expected_tensors(c: ModelConfig, *, fused_qkv: bool = False) -> dict[str, Tensor]:
+    """Every tensor the model may use, by name, as the architecture declares it."""
+    return {t.name: t for t in c.features.tensors(c, fused_qkv=fused_qkv)}
+
+
+def check_tensors(f: GGUFFile, c: ModelConfig) -> dict[str, TensorInfo]:
+    """Presence, shape and supported type of every tensor the architecture uses, and no
+    other tensor in the file (before any allocation)."""
+    a = c.features
+    fused = a.fused_qkv if a.fused_qkv is not None else "blk.0.attn_qkv.weight" in f.tensors
+    expected = expected_tensors(c, fused_qkv=fused)
+    found: dict[str, TensorInfo] = {}
+    for name, spec in expected.items():
+        t = f.tensors.get(name)
+        if t is None:
+            if spec.required:
+                raise ModelConfigError(f"missing tensor '{name}'")
+            continue
+        shape = spec.shape(c)
+        if t.shape != shape:
+            raise TensorShapeError(
+                f"tensor '{name}' has shape {list(t.shape)}, expected {list(shape)}"
+            )
+        if len(shape) == 1 and t.ggml_type.name not in FLOAT_1D_TYPES:
+            raise TensorShapeError(
+                f"tensor '{name}' is {t.ggml_type.name}; norm weights must be F32, F16 or BF16"
+            )
+        quants.get(t.ggml_type)  # refuse types qllama cannot compute with, naming them
+        found[name] = t
+    # a tensor the model would not use means a feature qllama does not compute (LongRoPE
+    # factors, experts, a fused tensor in the wrong form): refused, never run without it
+    extra = [name for name in f.tensors if name not in expected]
+    if extra:
+        shown = ", ".join(f"'{n}'" for n in extra[:5]) + (", ..." if len(extra) > 5 else "")
+        raise ModelConfigError(
+            f"{len(extra)} tensor(s) of the file are not used by the {c.arch} model: {shown}; "
+            "qllama refuses a file it would not compute in full"
+        )
+    return found
+
+
+def _field(name: str) -> str:
+    """The :class:`LayerWeights` / :class:`Weights` field of a tensor: ``blk.3.attn_q.bias``
+    -> ``attn_q_bias``, ``output.weight`` -> ``output``."""
+    base = name.split(".", 2)[-1] if name.startswith("blk.") else name
+    stem, _, kind = base.rpartition(".")
+    return stem if kind == "weight" else f"{stem}_{kind}"
+
+
+def _scale_fields(fields: dict[str, np.ndarray]) -> list[np.ndarray]:
+    """The float fields of unpacked blocks (scales, mins, or the values of float types)."""
+    return [v for v in fields.values() if v.dtype.kind == "f"]
+
+
+def check_finite(f: GGUFFile, tensors: dict[str, TensorInfo]) -> None:
+    """Refuse NaN or infinite block scales, mins and float weights: one such value turns a
+    whole row of logits into NaN."""
+    for name, t in tensors.items():
+        fields = quants.unpack(f.tensor_data(name), t.ggml_type, t.shape)
+        for v in _scale_fields(fields):
+            bad = np.flatnonzero(~np.isfinite(v).all(axis=tuple(range(1, v.ndim))))
+            if bad.size:
+                raise WeightValueError(
+                    f"tensor '{name}' block {int(bad[0])} has a non-finite scale or value "
+                    f"({bad.size} blocks in all)"
+                )
+
+
+def _norm(f: GGUFFile, t: TensorInfo, backend: Backend) -> Any:
+    return backend.asarray(quants.dequantize(f.tensor_data(t.name), t.ggml_type, t.shape))
+
+
+def load(
+    path: str | os.PathLike[str],
+    backend: str | Backend | None = None,
+    device: str | None = None,
+    dequantize_all: bool | None = None,
+    *,
+    n_ctx: int | None = None,
+    kv_precision: str = "f32",
+    check_weights: bool = True,
+    trace_nonfinite: bool = False,
+    arithmetic: Mapping[str, str] | str | None = None,
+    weights_from: Mapping[str, Any] | None = None,
+    **backend_options: Any,
+) -> Model:
+    """Load a GGUF file of any supported architecture on a backend.
+
+    ``backend``, ``device`` and ``dequantize_all`` default to ``QLLAMA_BACKEND``,
+    ``QLLAMA_DEVICE`` and ``QLLAMA_DEQUANTIZE_ALL`` (numpy, its default device, off).
+    ``n_ctx`` caps the context (default: the model's). ``kv_precision="f16"`` emulates
+    llama.cpp's half-precision KV cache. ``check_weights`` refuses NaN/inf block scales and
+    float weights at load; ``trace_nonfinite`` checks every layer's output in the forward pass
+    and names the first that is NaN or infinite (slower). Extra keywords go to the backend
+    (e.g. the numpy backend's ``activations="f32"`` or ``activation_rounding="simd"``).
+    ``arithmetic`` maps tensor-name patterns to an arithmetic per weight ("q8", "f32",
+    "dequantized"; :mod:`qllama.runtime.arithmetic`); ``weights_from`` maps patterns to other files
+    whose tensors replace the matching ones (:mod:`qllama.gguf.overlay`).
+    """
+    f = read_gguf(path)
+    try:
+        if weights_from is not None:
+            f = overlay(f, weights_from)
+        return _build(
+            f,
+            backend,
+            device,
+            dequantize_all,
+            n_ctx=n_ctx,
+            kv_precision=kv_precision,
+            check_weights=check_weights,
+            trace_nonfinite=trace_nonfinite,
+            arithmetic=arithmetic,
+            **backend_options,
+        )
+    except BaseException:
+        f.close()  # all or nothing: a refused file leaves no map open
+        raise
+
+
+def _build(
+    f: GGUFFile,
+    backend: str | Backend | None,
+    device: str | None,
+    dequantize_all: bool | None,
+    *,
+    n_ctx: int | None,
+    kv_precision: str,
+    check_weights: bool,
+    trace_nonfinite: bool,
+    arithmetic: Mapping[str, str] | str | None = None,
+    **backend_options: Any,
+) -> Model:
+    """:func:`load` on an open file: every check, then the backend, then the model."""
+    from qllama.runtime.chat_template import ChatTemplate
+    from qllama.runtime.tokenizer import Tokenizer
+
+    config = ModelConfig.from_gguf(f)
+    if n_ctx is not None and not 1 <= n_ctx:
+        raise ModelConfigError(f"n_ctx must be at least 1, not {n_ctx}")
+    if n_ctx is not None and n_ctx > config.n_ctx:
+        # as llama.cpp: allowed (RoPE scaling may extend a model), but worth a warning
+        warnings.warn(
+            f"n_ctx {n_ctx} is longer than the {config.n_ctx} positions the model was trained for",
+            stacklevel=3,
+        )
+    tensors = check_tensors(f, config)
+    if check_weights:
+        check_finite(f, tensors)
+    tokenizer = Tokenizer.from_gguf(f)
+    if tokenizer.n_vocab != config.n_vocab:
+        raise TensorShapeError(
+            f"the vocabulary has {tokenizer.n_vocab} tokens but token_embd.weight has "
+            f"{config.n_vocab} rows"
+        )
+    if arithmetic is not None:  # a backend per arithmetic, each weight routed at prepare
+        weights_2d = [name for name, t in tensors.items() if len(t.shape) == 2]
+        be: Backend = policy_backend(
+            backend,
+            arithmetic,
+            weights_2d,
+            device=device,
+            dequantize_all=dequantize_all,
+            **backend_options,
+        )
+    elif not isinstance(backend, str | None):
+        be = backend
+    else:
+        be = get_backend(backend, device=device, dequantize_all=dequantize_all, **backend_options)
+
+    def prepared(name: str) -> Any:
+        t = tensors[name]
+        return be.prepare(
+            QuantTensor(name, t.ggml_type, (t.shape[0], t.shape[1]), f.tensor_data(name))
+        )
+
+    def value(name: str) -> Any:
+        t = tensors[name]
+        return _norm(f, t, be) if len(t.shape) == 1 else prepared(name)
+
+    parts: list[dict[str, Any]] = [{} for _ in range(config.n_layer)]
+    top: dict[str, Any] = {}
+    for name in tensors:
+        if name.startswith("blk."):
+            parts[int(name.split(".")[1])][_field(name)] = value(name)
+        else:
+            top[_field(name)] = value(name)
+    top.setdefault("output", top["token_embd"])  # tied: the embedding is the output matrix
+    weights = Weights(layers=[LayerWeights(**p) for p in parts], **top)
+    template = f.get("tokenizer.chat_template")
+    return Model(
+        config,
+        weights,
+        be,
+        tokenizer=tokenizer,
+        chat_template=ChatTemplate(template, tokenizer) if isinstance(template, str) else None,
+        source=f,
+        n_ctx=n_ctx,
+        kv_precision=kv_precision,
+        trace_nonfinite=trace_nonfinite,
+    )

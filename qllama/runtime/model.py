@@ -1,0 +1,646 @@
+"""The forward pass of every architecture, written once against the array API.
+
+It runs unchanged on numpy, torch, jax and array-api-strict: it uses only ``xp`` (the
+namespace of the backend) and calls the backend for the two operations that touch quantized
+weights, ``matmul`` (several at once where they share an input: ``matmuls``) and
+``embedding``. It never learns a weight's type or the arithmetic of
+the backend; that is what lets one model measure several arithmetics.
+
+It never learns the architecture's name either: what differs between llama, qwen, phi3, gemma and
+the rest is read from the config (:mod:`qllama.runtime.architectures`): the RoPE layout and each
+layer's rotation and window, which norms and biases the weights have, the gate's activation, and the
+scalars (query scale, soft-caps, embedding, residual and logit scales).
+
+RoPE follows the GGUF convention: convert_hf_to_gguf permutes the rows of Q and K of the
+llama-style architectures so that rotating adjacent pairs (x[2i], x[2i+1]) here equals
+Hugging Face's rotate_half on the unpermuted weights (ggml_semantics §3.4; transformers undoes
+the permutation at load instead); the qwen, phi3, gemma and olmo2 converters leave Q and K
+alone, and their files are rotated in halves.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from qllama.array_api import Array, Namespace, Weight, to_numpy
+from qllama.backends.base import Backend, attention_bytes, attention_scores, matmuls
+from qllama.errors import (
+    ChatTemplateError,
+    ContextOverflowError,
+    InvalidTokenError,
+    NonFiniteLogitsError,
+    SequenceError,
+)
+from qllama.gguf.reader import GGUFFile
+from qllama.runtime import generation
+from qllama.runtime.architectures import Activation, QKNorm, Rope, RopeLayout
+from qllama.runtime.chat_template import ChatTemplate
+from qllama.runtime.config import ModelConfig
+from qllama.runtime.generation import Generation
+from qllama.runtime.kv_cache import KVCache
+from qllama.runtime.tokenizer import Tokenizer, token_list
+
+# sees the named intermediate values of a forward pass (qllama.runtime.observe): (name, value)
+Observer = Callable[[str, Array], object]
+
+
+@dataclass
+class LayerWeights:
+    """One transformer block, named as in GGUF (``blk.{i}.*``; ``_bias`` for ``*.bias``).
+
+    A field is None where the architecture or the file has no such tensor: the forward pass
+    skips a missing norm or bias, and reads Q, K and V from ``attn_qkv`` when the file fuses
+    them. 2-D weights are as the backend prepared them, 1-D ones float32 arrays.
+    """
+
+    attn_output: Weight  # (n_embd, n_head * head_dim_v)
+    ffn_up: Weight  # (n_ff, n_embd); (2 n_ff, n_embd), gate rows first, when fused (phi3)
+    ffn_down: Weight  # (n_embd, n_ff)
+    attn_q: Weight = None  # (n_head * head_dim, n_embd)
+    attn_k: Weight = None  # (n_head_kv * head_dim, n_embd)
+    attn_v: Weight = None  # (n_head_kv * head_dim_v, n_embd)
+    attn_qkv: Weight = None  # (n_head * head_dim + n_head_kv * (head_dim + head_dim_v), n_embd)
+    ffn_gate: Weight = None  # (n_ff, n_embd)
+    attn_norm: Array = None  # (n_embd,)
+    ffn_norm: Array = None  # (n_embd,)
+    post_attention_norm: Array = None  # (n_embd,), gemma and olmo2
+    post_ffw_norm: Array = None  # (n_embd,)
+    attn_q_norm: Array = None  # (head_dim,) per head, or (n_head * head_dim,) whole (olmo2)
+    attn_k_norm: Array = None  # (head_dim,) or (n_head_kv * head_dim,)
+    attn_q_bias: Array = None  # (n_head * head_dim,)
+    attn_k_bias: Array = None
+    attn_v_bias: Array = None
+    attn_qkv_bias: Array = None
+    attn_output_bias: Array = None  # (n_embd,)
+    ffn_gate_bias: Array = None  # (n_ff,)
+    ffn_up_bias: Array = None
+    ffn_down_bias: Array = None  # (n_embd,)
+
+
+@dataclass
+class Weights:
+    """All weights; 2-D ones as the backend prepared them, 1-D ones as float32 arrays."""
+
+    token_embd: Weight  # (n_vocab, n_embd)
+    layers: list[LayerWeights]
+    output_norm: Array  # (n_embd,)
+    output: Weight  # (n_vocab, n_embd); token_embd itself when the file ties them
+    output_bias: Array = None  # (n_vocab,), qwen2
+    rope_freqs: Array = None  # (n_rot / 2,): each pair's angle is divided by its factor
+
+
+@dataclass(frozen=True)
+class SequenceStep:
+    """One sequence's part of :meth:`Model.forward_batch`: run ``ids`` at positions ``pos,
+    pos+1, ...`` of ``cache`` (which keeps positions ``< pos``), as ``forward`` runs them on the
+    model's own cache; ``all_logits`` asks for the logits of every new position."""
+
+    cache: KVCache
+    ids: Sequence[int] | Array
+    pos: int = 0
+    all_logits: bool = False
+
+
+@dataclass
+class Segment:
+    """Rows ``start .. start + n - 1`` of a forward pass: one sequence's new tokens, at
+    positions ``pos ..`` of its ``cache``, with the additive mask of each window over it."""
+
+    cache: KVCache
+    pos: int
+    start: int
+    n: int
+    masks: dict[int, Array]  # window -> (n, S), S = the cache's capacity
+
+
+# --- leaf functions -----------------------------------------------------------------------------
+
+
+def rms_norm(x: Array, w: Array, eps: float, *, xp: Namespace) -> Array:
+    """x / sqrt(mean(x^2) + eps) * w, over the last axis."""
+    ms = xp.mean(x * x, axis=-1, keepdims=True)
+    return x * (1.0 / xp.sqrt(ms + eps)) * w
+
+
+def rope_tables(
+    n_ctx: int,
+    n_rot: int,
+    base: float,
+    *,
+    xp: Namespace,
+    scale: float = 1.0,
+    factors: Array = None,
+) -> tuple[Array, Array]:
+    """cos and sin of position * theta_i, theta_i = base^(-2i/n_rot) * scale / factors_i:
+    (n_ctx, n_rot/2). ``scale`` is the linear scaling (1 / rope.scaling.factor), ``factors``
+    Llama 3.1's rope_freqs (ggml_rope_ext divides by them)."""
+    exponents = xp.arange(0, n_rot, 2, dtype=xp.float32) / n_rot
+    inv_freq = 1.0 / xp.pow(xp.asarray(base, dtype=xp.float32), exponents)
+    if factors is not None:
+        inv_freq = inv_freq / factors
+    if scale != 1.0:
+        inv_freq = inv_freq * scale
+    angles = xp.arange(n_ctx, dtype=xp.float32)[:, None] * inv_freq[None, :]
+    return xp.cos(angles), xp.sin(angles)
+
+
+def rope(x: Array, cos: Array, sin: Array, *, xp: Namespace) -> Array:
+    """Rotate adjacent pairs (x[2i], x[2i+1]) of x (T, H, n_rot) by the angles of its T
+    positions (ggml's NORM mode; the converter permuted Q and K for it)."""
+    T, H, D = x.shape
+    pairs = xp.reshape(x, (T, H, D // 2, 2))  # (T, H, D/2, 2)
+    x0, x1 = pairs[..., 0], pairs[..., 1]
+    c, s = cos[:, None, :], sin[:, None, :]  # (T, 1, D/2)
+    out = xp.stack([x0 * c - x1 * s, x0 * s + x1 * c], axis=-1)  # (T, H, D/2, 2)
+    return xp.reshape(out, (T, H, D))
+
+
+def rope_halves(x: Array, cos: Array, sin: Array, *, xp: Namespace) -> Array:
+    """Rotate the pairs (x[i], x[i + n_rot/2]) of x (T, H, n_rot) (ggml's NEOX mode, Hugging
+    Face's rotate_half)."""
+    half = x.shape[-1] // 2
+    x0, x1 = x[..., :half], x[..., half:]  # (T, H, D/2) each
+    c, s = cos[:, None, :], sin[:, None, :]  # (T, 1, D/2)
+    return xp.concat([x0 * c - x1 * s, x0 * s + x1 * c], axis=-1)
+
+
+ROTATIONS = {RopeLayout.ADJACENT: rope, RopeLayout.HALVES: rope_halves}
+
+
+# exp(x - max) below 2**-110 counts as 0: the row's largest term is 1, so such a term is under
+# 2**-110 of the row's sum, 80 binary orders below float32's resolution of the weighted sum it
+# enters. Kept, it or its quotient can be subnormal, and a subnormal operand costs a microcode
+# assist in the attention products (P V 60x slower on x86 BLAS, measured). The quotients of
+# the terms kept stay normal for rows of up to 2**16 positions.
+NEGLIGIBLE = -76.24869  # ln(2**-110)
+
+
+def softmax(x: Array, *, xp: Namespace) -> Array:
+    """Softmax over the last axis, max-subtracted; the terms below :data:`NEGLIGIBLE` are 0."""
+    d = x - xp.max(x, axis=-1, keepdims=True)
+    e = xp.exp(xp.where(d < NEGLIGIBLE, -xp.inf, d))
+    return e / xp.sum(e, axis=-1, keepdims=True)
+
+
+def silu(x: Array, *, xp: Namespace) -> Array:
+    return x * (1.0 / (1.0 + xp.exp(-x)))
+
+
+def gelu_tanh(x: Array, *, xp: Namespace) -> Array:
+    """GELU, tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
+    return 0.5 * x * (1.0 + xp.tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))
+
+
+ACTIVATIONS = {Activation.SILU: silu, Activation.GELU_TANH: gelu_tanh}
+
+
+def softcap(x: Array, cap: float, *, xp: Namespace) -> Array:
+    """cap * tanh(x / cap): gemma's soft limit on scores and logits."""
+    return cap * xp.tanh(x / cap)
+
+
+# --- the model ----------------------------------------------------------------------------------
+
+
+class Model:
+    """A model of any supported architecture bound to a backend, owning its KV cache.
+
+    ``forward(ids, pos)`` runs the tokens ``ids`` at positions ``pos, pos+1, ...``: the cache
+    keeps positions ``< pos`` and appends the new ones; ``pos == 0`` starts a new sequence.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: Weights,
+        backend: Backend,
+        *,
+        tokenizer: Tokenizer,
+        source: GGUFFile,
+        chat_template: ChatTemplate | None = None,
+        n_ctx: int | None = None,
+        kv_precision: str = "f32",
+        trace_nonfinite: bool = False,
+    ) -> None:
+        self.config = config
+        self.features = config.features
+        self.weights = weights
+        self.backend = backend
+        self.xp = backend.xp
+        self.n_ctx = n_ctx or config.n_ctx
+        self.trace_nonfinite = trace_nonfinite  # name the first layer that makes NaN or inf
+        self.attention_bytes = attention_bytes(backend)  # a block of queries' scores, at most
+        self.cache = KVCache(
+            config.n_layer,
+            config.n_head_kv,
+            config.head_dim,
+            self.xp,
+            device=backend.device,
+            precision=kv_precision,
+            head_dim_v=config.head_dim_v,
+        )
+        self.kinds = [config.layer(i) for i in range(config.n_layer)]  # rotation, window
+        self.rotate = ROTATIONS[self.features.rope]
+        self.activation = ACTIVATIONS[self.features.activation]
+        # RoPE tables grow with the cache, not to n_ctx at once: a file may declare a context
+        # of 2^24 positions, and tables that long would take gigabytes before any token runs
+        self.rope_tables: dict[Rope, tuple[Array, Array]] = {}
+        self._rope_positions = 0
+        self.tokenizer = tokenizer  # the file's vocabulary
+        self.chat_template = chat_template  # the file's template, if it has one
+        self.source = source  # the GGUFFile the weights are views of
+
+    def forward(
+        self,
+        ids: Sequence[int] | Array,
+        pos: int = 0,
+        *,
+        all_logits: bool = False,
+        observer: Observer | None = None,
+    ) -> Array:
+        """Logits of the last position (vocab,), or of every position (T, vocab).
+
+        ``observer(name, value)``, if given, sees the intermediate values named in
+        :mod:`qllama.runtime.observe` as they are computed; without one nothing extra is done.
+        """
+        tokens = self.backend.asarray(self._check_ids(ids, pos, self.cache))
+        segment, where = self._segment(self.cache, pos, tokens.shape[0], 0)
+        self._grow_rope(self.cache.capacity)
+        x = self._hidden(tokens, where, [segment], observer)
+        if not all_logits:
+            x = x[-1:, :]  # only the last position picks the next token
+        logits = self._logits(x)
+        if self.trace_nonfinite:
+            self._check_finite(logits, "the logits", pos)
+        return logits if all_logits else logits[0, :]
+
+    def new_cache(self) -> KVCache:
+        """An empty KV cache shaped for this model (one per sequence of :meth:`forward_batch`)."""
+        c = self.config
+        return KVCache(
+            c.n_layer,
+            c.n_head_kv,
+            c.head_dim,
+            self.xp,
+            device=self.backend.device,
+            precision=self.cache.precision,
+            head_dim_v=c.head_dim_v,
+        )
+
+    def forward_batch(self, steps: Sequence[SequenceStep]) -> list[Array]:
+        """One forward pass over several sequences, each at its own position in its own cache.
+
+        Every row-wise operation (embedding, norms, the projections, the MLP, the output
+        product) runs once over the new tokens of all sequences stacked as rows; attention runs
+        per sequence over its own cache, as :meth:`forward` runs it. Returns, per step, the
+        logits of its last position (vocab,) or, with ``all_logits``, of every new position
+        (T, vocab). What the batch does to a sequence's numbers: the CPU arithmetic quantizes
+        each activation row by itself and sums integer products exactly, so a quantized weight's
+        product is bit for bit the same whatever the other rows; float products (F32/F16
+        weights, the GPU arithmetic, dequantize-all) may be summed in another order by the
+        library's matmul for another number of rows (tests/test_serve_batch.py).
+        """
+        if not steps:
+            return []
+        if len({id(s.cache) for s in steps}) != len(steps):
+            raise SequenceError("two sequences of one batch share a KV cache")
+        checked = [self._check_ids(s.ids, s.pos, s.cache) for s in steps]  # all before any work
+        flat: list[int] = []
+        segments, wheres = [], []
+        for s, ids in zip(steps, checked, strict=True):
+            segment, where = self._segment(s.cache, s.pos, len(ids), len(flat))
+            segments.append(segment)
+            wheres.append(where)
+            flat += ids
+        self._grow_rope(max(s.cache.capacity for s in steps))
+        xp = self.xp
+        where = wheres[0] if len(wheres) == 1 else xp.concat(wheres, axis=0)  # (N,)
+        x = self._hidden(self.backend.asarray(flat), where, segments)  # (N, n_embd)
+        # the output product only for the rows whose logits are wanted
+        rows = [
+            (g.start, g.start + g.n) if s.all_logits else (g.start + g.n - 1, g.start + g.n)
+            for s, g in zip(steps, segments, strict=True)
+        ]
+        picked = [x[a:b, :] for a, b in rows]
+        logits = self._logits(picked[0] if len(picked) == 1 else xp.concat(picked, axis=0))
+        out, at = [], 0
+        for j, (s, (a, b)) in enumerate(zip(steps, rows, strict=True)):
+            part = logits[at : at + b - a, :]  # (b - a, vocab)
+            if self.trace_nonfinite:
+                first = s.pos + a - segments[j].start  # the position of the part's first row
+                self._check_finite(part, f"the logits (sequence {j})", first)
+            out.append(part if s.all_logits else part[0, :])
+            at += b - a
+        return out
+
+    def _segment(self, cache: KVCache, pos: int, n: int, start: int) -> tuple[Segment, Array]:
+        """Make room in ``cache`` for ``n`` tokens at ``pos``; their rows' positions (n,) and
+        the masks of every window over the cache."""
+        cache.reset(pos)
+        cache.reserve(pos + n)
+        # positions as arrays, not Python slices: shapes then stay put from token to token
+        where = cache.slots[:n] + pos  # (n,) positions of the new tokens
+        masks = {k.window: self._mask(where, k.window, cache) for k in self.kinds}  # (n, S)
+        return Segment(cache, pos, start, n, masks), where
+
+    def _hidden(
+        self, tokens: Array, where: Array, segments: list[Segment], observer: Observer | None = None
+    ) -> Array:
+        """The residual stream after the last block (N, n_embd) for tokens (N,) at positions
+        ``where`` (N,), the rows of ``segments`` in order; ``observer`` as in :meth:`forward`."""
+        xp, c, w = self.xp, self.config, self.weights
+        angles = {  # each rotation's (cos, sin) at these positions: (N, n_rot/2) each
+            r: (xp.take(cos, where, axis=0), xp.take(sin, where, axis=0))
+            for r, (cos, sin) in self.rope_tables.items()
+        }
+        x = self.backend.embedding(tokens, w.token_embd)  # (N, n_embd)
+        if c.embedding_scale:
+            x = x * c.embedding_scale
+        if observer is not None:
+            observer("embedding", x)
+        for i, layer in enumerate(w.layers):
+            kind = self.kinds[i]
+            rot = None if kind.rope is None else angles[kind.rope]
+            x = self._block(x, layer, i, rot, segments, kind.window, observer)
+            if observer is not None:
+                observer(f"blk.{i}.out", x)
+            if self.trace_nonfinite:
+                for b, g in enumerate(segments):
+                    rows = x if len(segments) == 1 else x[g.start : g.start + g.n, :]
+                    what = f"the output of layer {i}"
+                    if len(segments) > 1:
+                        what += f" (sequence {b})"
+                    self._check_finite(rows, what, g.pos)
+        for g in segments:
+            g.cache.length = g.pos + g.n
+        return x
+
+    def _block(
+        self,
+        x: Array,
+        layer: LayerWeights,
+        i: int,
+        rot: Array,
+        segments: list[Segment],
+        window: int,
+        observer: Observer | None = None,
+    ) -> Array:
+        """One transformer block: attention, then MLP, each added to the residual stream
+        (normed before, after, or both, as the weights have norms)."""
+        h = self._attention(
+            self._norm(x, layer.attn_norm), layer, i, rot, segments, window, observer
+        )
+        if observer is not None:
+            observer(f"blk.{i}.attn_out", h)
+        x = x + self._residual(self._norm(h, layer.post_attention_norm))
+        h = self._mlp(self._norm(x, layer.ffn_norm), layer)
+        if observer is not None:
+            observer(f"blk.{i}.ffn_out", h)
+        return x + self._residual(self._norm(h, layer.post_ffw_norm))
+
+    def _norm(self, x: Array, w: Array) -> Array:
+        """RMSNorm with weight ``w``; ``x`` itself where the block has no such norm."""
+        return x if w is None else rms_norm(x, w, self.config.eps, xp=self.xp)
+
+    def _residual(self, h: Array) -> Array:
+        """A sublayer's output as it joins the residual stream (granite scales it)."""
+        scale = self.config.residual_scale
+        return h * scale if scale else h
+
+    def _linear(self, x: Array, w: Array, bias: Array = None) -> Array:
+        y = self.backend.matmul(x, w)
+        return y if bias is None else y + bias
+
+    def _linears(self, x: Array, *pairs: tuple[Array, Array]) -> list[Array]:
+        """Several products of one input, (weight, bias or None) each, in one backend call."""
+        ys = matmuls(self.backend, x, [w for w, _ in pairs])
+        return [y if b is None else y + b for y, (_, b) in zip(ys, pairs, strict=True)]
+
+    def _logits(self, x: Array) -> Array:
+        """Final norm, output matrix (+ bias), then the architecture's logit scalars."""
+        c, w = self.config, self.weights
+        logits = self._linear(self._norm(x, w.output_norm), w.output, w.output_bias)
+        if c.logit_scale:
+            logits = logits / c.logit_scale
+        if c.final_softcap:
+            logits = softcap(logits, c.final_softcap, xp=self.xp)
+        return logits
+
+    def _mask(self, where: Array, window: int, cache: KVCache) -> Array:
+        """Additive mask over (new positions, cache slots): -inf where slot j is after
+        position i, or (sliding layers) ``window`` or more positions before it."""
+        xp = self.xp
+        cols = cache.slots[None, :]  # (1, S)
+        zero = xp.zeros_like(cols, dtype=xp.float32)
+        hidden = cols > where[:, None]  # (T, S)
+        if window:
+            hidden = hidden | (where[:, None] - cols >= window)
+        return xp.where(hidden, -float("inf"), zero)
+
+    def _grow_rope(self, n: int) -> None:
+        """RoPE tables of every rotation the layers use, for positions ``< n`` (row i does
+        not depend on n: same values)."""
+        if n > self._rope_positions:
+            c, xp = self.config, self.xp
+            factors = self.weights.rope_freqs
+            tables = {}
+            for r in {k.rope for k in self.kinds if k.rope is not None}:
+                cos, sin = rope_tables(
+                    n,
+                    c.rope_dim,
+                    r.base,
+                    xp=xp,
+                    scale=r.scale,
+                    factors=factors if r.factors else None,
+                )
+                tables[r] = (self.backend.asarray(cos), self.backend.asarray(sin))
+            self.rope_tables = tables
+            self._rope_positions = n
+
+    def _check_finite(self, x: Array, where: str, pos: int) -> None:
+        """Raise at the first non-finite value, naming where and at which position."""
+        xp = self.xp
+        bad = ~xp.all(xp.isfinite(x), axis=-1)  # (T,)
+        if bool(xp.any(bad)):
+            first = int(to_numpy(bad).argmax())
+            raise NonFiniteLogitsError(f"{where} is NaN or infinite at position {pos + first}")
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        **kwargs: Any,
+    ) -> list[int]:
+        """Render the file's chat template and encode it: the prompt ids of a conversation."""
+        if self.chat_template is None:
+            raise ChatTemplateError("the model file has no tokenizer.chat_template")
+        return self.chat_template.encode(
+            messages, add_generation_prompt=add_generation_prompt, **kwargs
+        )
+
+    def generate(self, prompt: str | Sequence[int], **options: Any) -> Generation:
+        """Decode from ``prompt`` (:func:`qllama.runtime.generation.generate` has the options)."""
+        return generation.generate(self, prompt, **options)
+
+    def stream(self, prompt: str | Sequence[int], **options: Any) -> Iterator[str]:
+        """Decode from ``prompt``, yielding text as it comes
+        (:func:`qllama.runtime.generation.stream`)."""
+        return generation.stream(self, prompt, **options)
+
+    def _attention(
+        self,
+        x: Array,
+        layer: LayerWeights,
+        i: int,
+        rot: Array,
+        segments: list[Segment],
+        window: int,
+        observer: Observer | None = None,
+    ) -> Array:
+        xp, c = self.xp, self.config
+        T, hd, hd_v, n_kv = x.shape[0], c.head_dim, c.head_dim_v, c.n_head_kv
+        q, k, v = self._qkv(x, layer)  # (T, n_head*hd), (T, n_kv*hd), (T, n_kv*hd_v)
+        if observer is not None:  # before norms and RoPE; Q and K rows in the file's order
+            observer(f"blk.{i}.q", q)
+            observer(f"blk.{i}.k", k)
+            observer(f"blk.{i}.v", v)
+        if layer.attn_q_norm is not None:
+            q = self._qk_norm(q, layer.attn_q_norm, c.n_head)
+            k = self._qk_norm(k, layer.attn_k_norm, n_kv)
+        q = xp.reshape(q, (T, c.n_head, hd))  # (T, n_head, hd)
+        k = xp.reshape(k, (T, n_kv, hd))  # (T, n_kv, hd)
+        v = xp.reshape(v, (T, n_kv, hd_v))  # (T, n_kv, hd_v)
+        if rot is not None:  # None: a layer without RoPE (smollm3's every fourth)
+            q, k = self._rope(q, rot), self._rope(k, rot)
+        if len(segments) == 1:
+            out = self._attend(q, k, v, i, segments[0], window)
+        else:  # each sequence attends over its own cache: rows start..start+n of the batch
+            out = xp.concat(
+                [
+                    self._attend(
+                        q[g.start : g.start + g.n, ...],
+                        k[g.start : g.start + g.n, ...],
+                        v[g.start : g.start + g.n, ...],
+                        i,
+                        g,
+                        window,
+                    )
+                    for g in segments
+                ],
+                axis=0,
+            )  # (T, n_head*hd_v)
+        return self._linear(out, layer.attn_output, layer.attn_output_bias)
+
+    def _attend(self, q: Array, k: Array, v: Array, i: int, segment: Segment, window: int) -> Array:
+        """One sequence's attention: its queries (T, n_head, hd) over its cache, after writing
+        its keys (T, n_kv, hd) and values (T, n_kv, hd_v) there; (T, n_head*hd_v)."""
+        xp, c = self.xp, self.config
+        T, cache = q.shape[0], segment.cache
+        k, v = cache.update(i, segment.pos, k, v)  # (n_kv, S, hd), S = cache capacity
+        mask = segment.masks[window]  # (T, S)
+        # a block of queries at a time, whose scores take at most attention_bytes: in cache
+        # on a CPU, and bounded for a long prompt (a row's numbers are its own, but BLAS may
+        # choose another kernel, and round otherwise, for another block's shape)
+        rows = max(1, self.attention_bytes // (4 * c.n_head * k.shape[1]))
+        if rows >= T:
+            return self._attend_rows(q, k, v, mask, cache)
+        blocks = [(a, min(a + rows, T)) for a in range(0, T, rows)]
+        return xp.concat(
+            [self._attend_rows(q[a:b, ...], k, v, mask[a:b, ...], cache) for a, b in blocks],
+            axis=0,
+        )  # (T, n_head*hd_v)
+
+    def _attend_rows(self, q: Array, k: Array, v: Array, mask: Array, cache: KVCache) -> Array:
+        """Queries (t, n_head, hd) over keys (n_kv, S, hd) and values (n_kv, S, hd_v) under
+        ``mask`` (t, S); (t, n_head*hd_v)."""
+        xp, c = self.xp, self.config
+        t, hd, n_kv, n_rep, S = q.shape[0], c.head_dim, c.n_head_kv, c.n_rep, k.shape[1]
+        # query head h reads kv head h // n_rep: one product per kv head over its query heads
+        q = xp.reshape(
+            xp.permute_dims(xp.reshape(cache.operand(q), (t, n_kv, n_rep, hd)), (1, 2, 0, 3)),
+            (n_kv, n_rep * t, hd),
+        )  # (n_kv, n_rep*t, hd)
+        scores = attention_scores(self.backend, q, k)  # (n_kv, n_rep*t, S)
+        scores = xp.reshape(scores, (n_kv, n_rep, t, S))  # (n_kv, n_rep, t, S)
+        scores = scores * c.query_scale
+        if c.attn_softcap:
+            scores = softcap(scores, c.attn_softcap, xp=xp)
+        p = cache.operand(softmax(scores + mask, xp=xp))  # (n_kv, n_rep, t, S)
+        out = xp.matmul(xp.reshape(p, (n_kv, n_rep * t, S)), v)  # (n_kv, n_rep*t, hd_v)
+        out = xp.reshape(out, (n_kv, n_rep, t, c.head_dim_v))  # (n_kv, n_rep, t, hd_v)
+        return xp.reshape(
+            xp.permute_dims(out, (2, 0, 1, 3)), (t, c.n_head * c.head_dim_v)
+        )  # (t, n_head*hd_v)
+
+    def _qkv(self, x: Array, layer: LayerWeights) -> tuple[Array, Array, Array]:
+        """Queries, keys and values: three products, or one of the fused attn_qkv cut in
+        three (rows Q, then K, then V)."""
+        if layer.attn_qkv is None:
+            q, k, v = self._linears(
+                x,
+                (layer.attn_q, layer.attn_q_bias),
+                (layer.attn_k, layer.attn_k_bias),
+                (layer.attn_v, layer.attn_v_bias),
+            )
+            return q, k, v
+        c = self.config
+        qkv = self._linear(x, layer.attn_qkv, layer.attn_qkv_bias)  # (T, q + k + v widths)
+        n_q, n_k = c.n_head * c.head_dim, c.n_head_kv * c.head_dim
+        return qkv[:, :n_q], qkv[:, n_q : n_q + n_k], qkv[:, n_q + n_k :]
+
+    def _qk_norm(self, y: Array, w: Array, n_heads: int) -> Array:
+        """RMSNorm of queries or keys (T, n_heads * hd): per head, or over the whole
+        projection (olmo2), as the architecture says."""
+        if self.features.qk_norm == QKNorm.WHOLE:
+            return self._norm(y, w)
+        T, hd = y.shape[0], self.config.head_dim
+        heads = self._norm(self.xp.reshape(y, (T, n_heads, hd)), w)  # (T, n_heads, hd)
+        return self.xp.reshape(heads, (T, n_heads * hd))
+
+    def _rope(self, x: Array, rot: tuple[Array, Array]) -> Array:
+        """RoPE on x (T, H, hd): the first n_rot dimensions rotate, the rest pass (phi3's
+        partial rotary)."""
+        n_rot = self.config.rope_dim
+        if n_rot == x.shape[-1]:
+            return self.rotate(x, *rot, xp=self.xp)
+        turned = self.rotate(x[..., :n_rot], *rot, xp=self.xp)
+        return self.xp.concat([turned, x[..., n_rot:]], axis=-1)
+
+    def _mlp(self, x: Array, layer: LayerWeights) -> Array:
+        # down(act(gate(x)) * up(x)); phi3's ffn_up holds gate and up, gate in the first half
+        if self.features.fused_gate_up:
+            gate_up = self._linear(x, layer.ffn_up, layer.ffn_up_bias)  # (T, 2 n_ff)
+            gate, up = gate_up[:, : self.config.n_ff], gate_up[:, self.config.n_ff :]
+        else:
+            gate, up = self._linears(
+                x, (layer.ffn_gate, layer.ffn_gate_bias), (layer.ffn_up, layer.ffn_up_bias)
+            )
+        h = self.activation(gate, xp=self.xp) * up
+        return self._linear(h, layer.ffn_down, layer.ffn_down_bias)
+
+    def _check_ids(self, ids: Sequence[int] | Array, pos: int, cache: KVCache) -> list[int]:
+        """Check ids and positions against ``cache`` before any work; the ids as ints."""
+        flat = token_list(ids)
+        if not flat:
+            raise InvalidTokenError("no tokens to run (empty prompt)")
+        try:
+            pos = operator.index(pos)
+        except TypeError:
+            raise SequenceError(f"pos must be an integer, not {pos!r}") from None
+        bad = [(j, t) for j, t in enumerate(flat) if not 0 <= t < self.config.n_vocab]
+        if bad:
+            j, t = bad[0]
+            raise InvalidTokenError(f"token[{j}] = {t} is outside [0, {self.config.n_vocab})")
+        if not 0 <= pos <= cache.length:
+            raise SequenceError(f"pos {pos} is past the cached sequence of {cache.length} tokens")
+        if pos + len(flat) > self.n_ctx:
+            raise ContextOverflowError(
+                f"{pos + len(flat)} tokens do not fit in the context of {self.n_ctx}",
+                n_tokens=pos + len(flat),
+                n_ctx=self.n_ctx,
+            )
+        return flat
