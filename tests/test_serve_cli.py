@@ -15,7 +15,8 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
-from qllama.cli import _named_files, main  # noqa: E402
+from qllama.cli import main  # noqa: E402
+from qllama.cli.serve import named_files  # noqa: E402
 from qllama.errors import QllamaError  # noqa: E402
 from qllama.synthetic import TinyConfig, write_tiny  # noqa: E402
 
@@ -75,6 +76,6 @@ def test_serve_refuses_a_missing_file(tmp_path: Path, capsys: pytest.CaptureFixt
 
 
 def test_model_names() -> None:
-    assert _named_files(["a/x.gguf", "y=b/x.gguf"]) == {"x": "a/x.gguf", "y": "b/x.gguf"}
+    assert named_files(["a/x.gguf", "y=b/x.gguf"]) == {"x": "a/x.gguf", "y": "b/x.gguf"}
     with pytest.raises(QllamaError, match="two models are named 'x'"):
-        _named_files(["a/x.gguf", "b/x.gguf"])
+        named_files(["a/x.gguf", "b/x.gguf"])

@@ -24,13 +24,19 @@ arithmetic (:func:`qllama_scorer`), or the transformers f32 reference (:func:`tr
 The model runs the first half of each window for its cache only (one row of logits), then the
 scored half with the logits of every position, skipping the window's last token, whose
 prediction is never scored (by causality, nothing else depends on it).
+
+:func:`evaluate` is a whole run (the windows reconciled with a base, the model loaded, the
+windows scored, a base saved), the one piece of code behind both ``qllama perplexity`` and the
+study's ``corpus`` measure.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -277,7 +283,190 @@ def kl_running(scores: Scores) -> str:
     )
 
 
-# --- the corpus measure -------------------------------------------------------------------------
+# --- a run over a corpus: what ``qllama perplexity`` and the study's corpus measure share ------
+
+Hook = Callable[[Windows, dict[str, Any]], Any]  # (the windows, the setting) before the first
+
+
+@dataclass(frozen=True)
+class CorpusRun:
+    """What :func:`evaluate` measured: the windows, their scores, and where they came from."""
+
+    file: str | None  # the model file, as given (None for a model given loaded)
+    setting: dict[str, Any]  # who scored: the engine and its load options
+    text: dict[str, Any]  # the text's origin (:func:`qllama.measure.corpus.from_spec`)
+    windows: Windows
+    scores: Scores
+    base: BaseFile | None  # the base compared with (its first windows), if one was given
+    kl: metrics.KLStats | None  # against the base, at least MIN_STATISTICS positions
+    seconds: float  # the scoring's wall time (the base written with it, if one was)
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Tokens evaluated a second, both halves of every window."""
+        return self.windows.n_chunk * self.windows.n_ctx / self.seconds
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every number, as ``qllama perplexity --json`` writes them."""
+        ppl, unc = self.scores.ppl()
+        doc: dict[str, Any] = {
+            "model": self.file,
+            "setting": self.setting,
+            "text": self.text,
+            "n_ctx": self.windows.n_ctx,
+            "windows": self.windows.n_chunk,
+            "scored": self.scores.count,
+            "ppl": ppl,
+            "ppl_unc": unc,
+            "seconds": self.seconds,
+            "tokens_per_s": self.tokens_per_s,
+        }
+        if self.kl is not None:
+            doc["kl"] = self.kl.to_dict()
+        if self.base is not None:
+            h = self.base.header
+            doc["base"] = {"path": str(self.base.path), "format": h.fmt, **h.meta}
+        return doc
+
+
+def _windows(
+    tokenizer: Any,
+    text: str | None,
+    n_ctx: int,
+    n_chunks: int | None,
+    base: BaseFile | None,
+) -> tuple[Windows, BaseFile | None, dict[str, Any]]:
+    """The windows a run scores, reconciled with its base: the base's own (its first
+    ``n_chunks``), checked against ``text`` if given too; else ``text`` cut into windows of
+    ``n_ctx``. Returns them, the base cut to them, and the text's origin."""
+    from qllama.measure.corpus import from_spec
+
+    if base is not None:
+        wins = windows_of_base(base, tokenizer)
+        if n_chunks is not None:
+            base = base.head(min(n_chunks, base.header.n_chunk))
+            wins = Windows(base.tokens, wins.bos)
+        if text:
+            ids = tokenize(tokenizer, from_spec(text)[0])
+            given = windows(ids, n_ctx, n_chunks=wins.n_chunk, bos=wins.bos)
+            if not np.array_equal(given.tokens, wins.tokens):
+                raise CorpusError(f"--text does not give the tokens {base.path} was made on")
+        return wins, base, base.header.meta.get("text", {})
+    if not text:
+        raise CorpusError("give --text (a file, or corpus:NAME) or --kl-divergence-base")
+    body, origin = from_spec(text)
+    bos = tokenizer.bos_id if tokenizer.add_bos else None
+    return windows(tokenize(tokenizer, body), n_ctx, n_chunks=n_chunks, bos=bos), None, origin
+
+
+def evaluate(
+    file: str | os.PathLike[str] | None = None,
+    *,
+    model: Any = None,
+    text: str | None = None,
+    n_ctx: int | None = None,
+    n_chunks: int | None = None,
+    base: str | os.PathLike[str] | BaseFile | None = None,
+    engine: str = "qllama",
+    options: Mapping[str, Any] | None = None,
+    as_llama_cpp: bool = False,
+    kv_precision: str | None = None,
+    threads: int | None = None,
+    save_base: str | os.PathLike[str] | None = None,
+    base_format: str = "llama",
+    save_meta: Mapping[str, Any] | None = None,
+    on_start: Hook | None = None,
+    progress: Progress | None = None,
+    on_window: Callable[[int, Scores], Any] | None = None,
+) -> CorpusRun:
+    """Perplexity (and KL divergence against a base) of a model over a corpus, as
+    ``llama-perplexity`` runs it.
+
+    The model is ``file``, loaded by ``engine`` (``"qllama"`` with the :func:`qllama.load`
+    ``options``, ``as_llama_cpp`` adding :data:`LLAMA_CPP_CPU`, then ``kv_precision`` and
+    ``threads``; or ``"transformers"``, the f32 reference), or ``model``, a qllama model
+    already loaded. The windows are ``base``'s (a base file: its first ``n_chunks``; ``text``,
+    if given too, must give its tokens), or ``text`` (a UTF-8 file, or ``corpus:NAME``) cut
+    into at most ``n_chunks`` windows of ``n_ctx`` tokens (default 512). ``save_base`` writes
+    the logits as a base in ``base_format``, with ``save_meta`` (default: the file's name and
+    sha256, the setting, the text's origin); an interrupted run leaves no file.
+
+    ``on_start(windows, setting)`` is called once the windows are cut and the model is
+    loaded, before the first window is scored (to say what runs, or to refuse it);
+    ``progress`` and ``on_window`` as :func:`run` calls them.
+    """
+    from qllama.runtime.tokenizer import Tokenizer
+
+    if (model is None) == (file is None):
+        raise QllamaError("give a model file or a loaded model, one of them")
+    if engine not in ("qllama", "transformers"):
+        raise QllamaError(f"engine must be qllama or transformers, not {engine!r}")
+    b = base if base is None or isinstance(base, BaseFile) else BaseFile.open(base)
+    if b is not None and n_ctx is not None and n_ctx != b.header.n_ctx:
+        raise CorpusError(f"{b.path} was made with a context of {b.header.n_ctx}")
+    n_ctx = b.header.n_ctx if b is not None else (n_ctx or 512)
+    tokenizer = model.tokenizer if file is None else Tokenizer.from_gguf(file)
+    wins, b, origin = _windows(tokenizer, text, n_ctx, n_chunks, b)
+
+    setting: dict[str, Any]
+    if file is None:  # the model given loaded
+        scorer, setting = qllama_scorer(model), {"engine": "qllama"}
+    elif engine == "transformers":
+        from qllama.measure.reference import load_transformers
+
+        scorer = transformers_scorer(load_transformers(file))
+        setting = {"engine": "transformers f32 eager"}
+    else:
+        from qllama.runtime.loader import load
+
+        opts = dict(options or {})
+        if as_llama_cpp:
+            opts.update(LLAMA_CPP_CPU)
+        if kv_precision:
+            opts["kv_precision"] = kv_precision
+        if threads:
+            opts["threads"] = threads
+        scorer = qllama_scorer(load(file, n_ctx=n_ctx, **opts))
+        setting = {"engine": "qllama", **{k: v for k, v in opts.items() if v is not None}}
+    if on_start is not None:
+        on_start(wins, setting)
+
+    save = None
+    if save_base is not None:
+        if save_meta is None:
+            from qllama.model_files import sha256_file
+
+            if file is None:
+                raise QllamaError("a base saved from a loaded model needs its save_meta")
+            save_meta = {
+                "model": os.path.basename(file),
+                "model_sha256": sha256_file(file),
+                "setting": setting,
+                "text": origin,
+            }
+        save = BaseWriter(
+            save_base,
+            base_format,
+            n_ctx=wins.n_ctx,
+            n_vocab=tokenizer.n_vocab,
+            tokens=wins.tokens,
+            meta=dict(save_meta),
+        )
+    started = time.perf_counter()
+    with save if save is not None else contextlib.nullcontext():
+        scores = run(scorer, wins, base=b, save=save, progress=progress, on_window=on_window)
+    seconds = time.perf_counter() - started
+    kl = scores.kl() if b is not None and scores.count >= MIN_STATISTICS else None
+    return CorpusRun(
+        file=None if file is None else str(file),
+        setting=setting,
+        text=origin,
+        windows=wins,
+        scores=scores,
+        base=b,
+        kl=kl,
+        seconds=seconds,
+    )
 
 
 def measure(
@@ -291,23 +480,21 @@ def measure(
 
     Returns llama-perplexity's statistics (:class:`qllama.measure.metrics.KLStats` as a dict) with
     ``ppl`` and ``ppl_unc`` (the model's perplexity and its ±), ``tokens`` (positions scored)
-    and ``windows``. The windows are the base's (its first ``n_chunks``).
+    and ``windows``. The windows are the base's (at most its first ``n_chunks``), scored by
+    :func:`evaluate`.
     """
-    b = base if isinstance(base, BaseFile) else BaseFile.open(base)
-    wins = windows_of_base(b, model.tokenizer)
-    if n_chunks is not None:
-        wins = Windows(wins.tokens[:n_chunks], wins.bos)
-        b = b.head(n_chunks)
-    scores = run(qllama_scorer(model), wins, base=b, progress=progress)
-    ppl, unc = scores.ppl()
+    r = evaluate(model=model, base=base, n_chunks=n_chunks, progress=progress)
+    kl = r.kl if r.kl is not None else r.scores.kl()  # the latter refuses: too few positions
+    ppl, unc = r.scores.ppl()
+    assert r.base is not None  # evaluate was given one
     return {
-        **scores.kl().to_dict(),
+        **kl.to_dict(),
         "ppl": ppl,
         "ppl_unc": unc,
-        "tokens": scores.count,
-        "windows": wins.n_chunk,
-        "n_ctx": wins.n_ctx,
-        "base_format": b.header.fmt,
+        "tokens": r.scores.count,
+        "windows": r.windows.n_chunk,
+        "n_ctx": r.windows.n_ctx,
+        "base_format": r.base.header.fmt,
     }
 
 
@@ -315,9 +502,11 @@ __all__ = [
     "LLAMA_CPP_CPU",
     "MIN_STATISTICS",
     "CorpusError",
+    "CorpusRun",
     "Scorer",
     "Scores",
     "Windows",
+    "evaluate",
     "measure",
     "qllama_scorer",
     "run",

@@ -1,0 +1,113 @@
+"""``qllama compare``: a model against a reference, step by step (teacher forcing, then free
+generation to the first fork)."""
+
+from __future__ import annotations
+
+import argparse
+
+from qllama.cli.common import (
+    Subparsers,
+    add_backend_args,
+    add_chat_arg,
+    add_json_arg,
+    backend_options,
+    chat_ids,
+    write_json,
+)
+from qllama.errors import QllamaError
+
+
+def add_parser(sub: Subparsers) -> None:
+    """The subcommand and its arguments."""
+    s = sub.add_parser("compare", help="compare a model with a reference, step by step")
+    s.add_argument("model")
+    s.add_argument(
+        "--reference",
+        help="a reference .npz, or a GGUF run in f32 (default: MODEL itself, dequantize-all)",
+    )
+    s.add_argument("--prompt", required=True)
+    add_chat_arg(s)
+    s.add_argument("--mode", choices=["steps", "batched"], default="steps", help="teacher forcing")
+    s.add_argument(
+        "--max-new-tokens", type=int, default=128, help="reference length (when generated)"
+    )
+    add_json_arg(s)
+    s.add_argument(
+        "-v", "--verbose", action="store_true", help="llama-perplexity's full KL statistics"
+    )
+    add_backend_args(s)
+    s.set_defaults(run=run)
+
+
+def _never(x: int | None) -> str:
+    return "none" if x is None else str(x)
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
+def run(args: argparse.Namespace) -> int:
+    """Teacher forcing against the reference, then free generation to its fork, printed."""
+    from qllama.measure import compare, metrics
+    from qllama.runtime.loader import load
+
+    model = load(args.model, **backend_options(args))
+    prompt = chat_ids(model, args.prompt) if args.chat else model.tokenizer.encode(args.prompt)
+    source = args.reference or f"{args.model} (dequantize-all, numpy)"
+    if args.reference and args.reference.endswith(".npz"):
+        ref = compare.Reference.load(args.reference)
+        if ref.tokens[: ref.n_prompt] != list(prompt):
+            raise QllamaError(f"{args.reference} was made for another prompt")
+    else:
+        ref_model = load(args.reference or args.model, backend="numpy", dequantize_all=True)
+        ref = compare.reference_from_model(ref_model, prompt, max_new_tokens=args.max_new_tokens)
+    cont = ref.continuation
+    eos = bool(cont) and cont[-1] in model.tokenizer.stop_ids
+    print(f"reference: {source}; prompt {ref.n_prompt} tokens, {len(cont)} new (EOS: {_yes(eos)})")
+    tf = compare.teacher_forcing(model, ref, mode=args.mode)
+    s = tf.summary()
+    print(f"last position: max|Δlogit| = {s['step0_max_abs']:.4g}")
+    print(
+        f"teacher forcing ({args.mode}): step 0 max|Δ| {s['step0_max_abs']:.4g}, median "
+        f"{s['median_max_abs']:.4g}, max {s['max_max_abs']:.4g}; argmax {s['argmax_agree']}/"
+        f"{s['steps']}; first differing step {_never(s['first_flip'])}"
+    )
+    if s["flips"]:
+        flips = ", ".join(f"{f['step']} ({f['ref_margin']:.3f})" for f in s["flips"])
+        print(f"  differing steps (reference margin): {flips}")
+    kl = tf.kl
+    print(
+        f"  KL: mean {kl.mean_kld:.3e} ± {kl.mean_kld_unc:.1e}, same top {100 * kl.same_top:.1f}%, "
+        f"RMS Δp {100 * kl.rms_dp:.3f}%"
+    )
+    free = compare.free_generation(model, ref)
+    at = free.fork
+    print(
+        f"free generation: {'fork at token ' + str(at) if at is not None else 'no fork'} "
+        f"(length {len(free.tokens)}, EOS {'yes' if free.eos else 'no'})"
+    )
+    if at is not None:
+        c = free.context
+        print(f"  ...{c['prefix']!r} | reference: {c['reference']!r} | own: {c['own']!r}")
+
+        def show(top: list[tuple[int, float]]) -> str:
+            return ", ".join(f"{model.tokenizer.decode([t])!r} {v:.3f}" for t, v in top)
+
+        if at < len(cont):
+            print(
+                f"  top-3 at the fork: reference [{show(metrics.top_k(ref.step_logits[at]))}]; "
+                f"own [{show(metrics.top_k(tf.logits[at]))}]"
+            )
+    if args.verbose:
+        print(metrics.format_kl_stats(kl))
+    if args.json:
+        doc = {
+            "model": args.model,
+            "reference": source,
+            "prompt_ids": list(prompt),
+            "teacher_forcing": s,
+            "free_generation": free.summary(),
+        }
+        write_json(args.json, doc)
+    return 0
