@@ -9,7 +9,7 @@ two kinds of process run the same greedy decode of the study's chat prompt, inte
 
 - **qllama**: ``qllama.runtime.generation.generate_ids``, qllama's own loop;
 - **generate**: ``QllamaForCausalLM.generate`` (transformers' loop: its logits processors,
-  stopping criteria and cache bookkeeping around the same ``Llama.forward`` calls).
+  stopping criteria and cache bookkeeping around the same ``Model.forward`` calls).
 
 Per token is the time between consecutive new tokens after the first (the prefill is not
 in it), the median over the runs. Both kinds import torch, transformers and qllama.hf before

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from qllama.measure.compare import fork
 from qllama.measure.trace import BAND_FACTOR as BAND
 from qllama.study import Check, View
+from qllama.study.results import Attribution, LayerTrace, Measures
 
 QUANTIZED = ("Q8_0", "Q4_K_M")
 # quantized with an importance matrix (section 10); the findings about float order hold for
@@ -30,15 +31,20 @@ def _quantized(view: View) -> list[str]:
     return [v for v in QUANTIZED + IMATRIX if v in view.variants]
 
 
+def _cell(view: View, variant: str, setting: str) -> Measures:
+    """A cell the finding needs on every prompt (the study runs it everywhere)."""
+    c = view.cell(variant, setting)
+    assert c is not None, f"{variant}-{setting} is not on {view.prompt}"
+    return c
+
+
 def _margins(view: View, variant: str, setting: str) -> list[float] | None:
     c = view.cell(variant, setting)
-    return None if c is None else [f["ref_margin"] for f in c["teacher_forcing"]["flips"]]
+    return None if c is None else [f.ref_margin for f in c.teacher_forcing.flips]
 
 
 def _median(view: View, variant: str, setting: str) -> float:
-    c = view.cell(variant, setting)
-    assert c is not None
-    return float(c["teacher_forcing"]["median_max_abs"])
+    return float(_cell(view, variant, setting).teacher_forcing.median_max_abs)
 
 
 # --- 1. the F32 control ------------------------------------------------------------------------
@@ -56,8 +62,8 @@ def f32_control(view: View) -> Iterator[Check]:
         if c is None:
             continue
         for metric, v in (
-            ("last-position max|Δ|", c["last_position"]["max_abs"]),
-            ("max|Δ| over all steps", c["teacher_forcing"]["max_max_abs"]),
+            ("last-position max|Δ|", c.last_position.max_abs),
+            ("max|Δ| over all steps", c.teacher_forcing.max_max_abs),
         ):
             yield Check(f"F32-{s}", metric, v, f"< {F32_BOUND:g}", v < F32_BOUND)
 
@@ -127,12 +133,9 @@ FEW_PERCENT = 0.10
 
 
 def q4_within_few_percent(view: View) -> Iterator[Check]:
-    b = view.cell("Q4_K_M", "gpu")
-    assert b is not None
+    y = _cell(view, "Q4_K_M", "gpu").last_position.max_abs
     for s in ("cpu", "dequantize-all"):
-        a = view.cell("Q4_K_M", s)
-        assert a is not None
-        x, y = a["last_position"]["max_abs"], b["last_position"]["max_abs"]
+        x = _cell(view, "Q4_K_M", s).last_position.max_abs
         r = abs(x - y) / y
         yield Check(
             f"Q4_K_M-{s} / Q4_K_M-gpu",
@@ -215,8 +218,8 @@ def q4_flips_more(view: View) -> Iterator[Check]:
 
 def gpu_flips_as_dequantize_all(view: View) -> Iterator[Check]:
     for v in _quantized(view):
-        g = [f["step"] for f in view.cell(v, "gpu")["teacher_forcing"]["flips"]]  # type: ignore[index]
-        d = [f["step"] for f in view.cell(v, "dequantize-all")["teacher_forcing"]["flips"]]  # type: ignore[index]
+        g = [f.step for f in _cell(view, v, "gpu").teacher_forcing.flips]
+        d = [f.step for f in _cell(view, v, "dequantize-all").teacher_forcing.flips]
         yield Check(
             f"{v}-gpu / {v}-dequantize-all",
             "flipped steps",
@@ -237,7 +240,7 @@ def fork_at_first_flip(view: View) -> Iterator[Check]:
             c = view.cell(v, s)
             if c is None:
                 continue
-            f, t = c["free_generation"]["fork"], c["teacher_forcing"]["first_flip"]
+            f, t = c.free_generation.fork, c.teacher_forcing.first_flip
             yield Check(
                 f"{v}-{s}",
                 "fork / first flip",
@@ -258,8 +261,8 @@ def _fmt(x: int | None) -> str:
 
 def gpu_tokens_as_dequantize_all(view: View) -> Iterator[Check]:
     for v in _quantized(view):
-        a = view.cell(v, "gpu")["free_generation"]["tokens"]  # type: ignore[index]
-        b = view.cell(v, "dequantize-all")["free_generation"]["tokens"]  # type: ignore[index]
+        a = _cell(view, v, "gpu").free_generation.tokens
+        b = _cell(view, v, "dequantize-all").free_generation.tokens
         at = fork(a, b)
         yield Check(
             f"{v}-gpu / {v}-dequantize-all",
@@ -278,10 +281,9 @@ def gpu_tokens_as_dequantize_all(view: View) -> Iterator[Check]:
 
 def cpu_tokens_differ(view: View) -> Iterator[Check]:
     for v in QUANTIZED:
-        cpu, gpu = view.cell(v, "cpu"), view.cell(v, "gpu")
-        assert cpu is not None and gpu is not None
-        at = fork(cpu["free_generation"]["tokens"], gpu["free_generation"]["tokens"])
-        flips = bool(cpu["teacher_forcing"]["flips"])
+        cpu, gpu = _cell(view, v, "cpu"), _cell(view, v, "gpu")
+        at = fork(cpu.free_generation.tokens, gpu.free_generation.tokens)
+        flips = bool(cpu.teacher_forcing.flips)
         yield Check(
             f"{v}-cpu / {v}-gpu",
             "first differing token",
@@ -298,14 +300,14 @@ def cpu_tokens_differ(view: View) -> Iterator[Check]:
 # only). A class's share is its excess mean KLD over the whole's excess.
 
 
-def _attribution(view: View, variant: str, setting: str) -> dict | None:
+def _attribution(view: View, variant: str, setting: str) -> Attribution | None:
     c = view.cell(variant, setting)
-    return None if c is None else c.get("attribution")
+    return None if c is None or "attribution" not in c else c.attribution
 
 
-def _shares(a: dict) -> dict[str, float]:
-    whole = a["whole_excess"]["mean_kld"]
-    return {p["group"]: p["excess_mean_kld"] / whole for p in a["parts"]}
+def _shares(a: Attribution) -> dict[str, float]:
+    whole = a.whole_excess.mean_kld
+    return {p.group: p.excess_mean_kld / whole for p in a.parts}
 
 
 # No class carries half of the error: there is no one tensor whose rounding to change. A half
@@ -347,8 +349,8 @@ def activation_error_is_spread(view: View) -> Iterator[Check]:
 ADDS_UP = (0.75, 4 / 3)
 
 
-def _parts_over_whole(a: dict) -> float:
-    return a["sum_of_parts"]["mean_kld"] / a["whole_excess"]["mean_kld"]
+def _parts_over_whole(a: Attribution) -> float:
+    return a.sum_of_parts.mean_kld / a.whole_excess.mean_kld
 
 
 def _adds_up(view: View, variant: str, setting: str) -> Iterator[Check]:
@@ -381,8 +383,7 @@ def activation_errors_add_up(view: View) -> Iterator[Check]:
 def tied_embedding_is_exact(view: View) -> Iterator[Check]:
     a = _attribution(view, "Q4_K_M", "dequantize-all")
     if a is not None:
-        part = next(p for p in a["parts"] if p["group"] == "output")
-        x = part["excess_mean_kld"]
+        x = next(p for p in a.parts if p.group == "output").excess_mean_kld
         yield Check("Q4_K_M-dequantize-all", "output's excess mean KLD", x, "== 0", x == 0.0)
 
 
@@ -391,9 +392,9 @@ def tied_embedding_is_exact(view: View) -> Iterator[Check]:
 # file under the same setting is the control.
 
 
-def _trace(view: View, variant: str, setting: str) -> dict | None:
+def _trace(view: View, variant: str, setting: str) -> LayerTrace | None:
     c = view.cell(variant, setting)
-    return None if c is None else c.get("layer_trace")
+    return None if c is None or "layer_trace" not in c else c.layer_trace
 
 
 # The error enters in block 0, not at the embedding (the embedding is exact: see above), and
@@ -405,9 +406,9 @@ def error_enters_in_block_0(view: View) -> Iterator[Check]:
             if t is None or control is None:
                 continue
             first = None
-            for name in t["residual"]:
-                edge = BAND * max(control["errors"][name]["rel_l2"], 2.0**-24)
-                if t["errors"][name]["rel_l2"] > edge:
+            for name in t.residual:
+                edge = BAND * max(control.errors[name].rel_l2, 2.0**-24)
+                if t.errors[name].rel_l2 > edge:
                     first = name
                     break
             yield Check(
@@ -423,9 +424,7 @@ def error_enters_in_block_0(view: View) -> Iterator[Check]:
 def _cpu_over_gpu(view: View, variant: str) -> Iterator[Check]:
     cpu, gpu = _trace(view, variant, "cpu"), _trace(view, variant, "gpu")
     if cpu is not None and gpu is not None:
-        ratios = [
-            cpu["errors"][n]["rel_l2"] / gpu["errors"][n]["rel_l2"] for n in cpu["residual"][1:]
-        ]
+        ratios = [cpu.errors[n].rel_l2 / gpu.errors[n].rel_l2 for n in cpu.residual[1:]]
         r = min(ratios)
         yield Check(
             f"{variant}-cpu / {variant}-gpu",
@@ -452,7 +451,7 @@ def q4_cpu_above_gpu_at_every_layer(view: View) -> Iterator[Check]:
 
 def _kld(view: View, variant: str, setting: str) -> float | None:
     c = view.cell(variant, setting)
-    return None if c is None or "corpus" not in c else float(c["corpus"]["mean_kld"])
+    return None if c is None or "corpus" not in c else float(c.corpus.kl.mean_kld)
 
 
 # F32: summation order only; measured mean KLD 7e-12 to 1.4e-11. (1e-3)^2, the square of the
@@ -583,13 +582,13 @@ def imatrix_lowers_every_class(view: View) -> Iterator[Check]:
     b = _attribution(view, "Q4_K_M", "dequantize-all")
     if a is None or b is None:
         return
-    without = {p["group"]: p["excess_mean_kld"] for p in b["parts"]}
-    for p in a["parts"]:
-        x, y = p["excess_mean_kld"], without[p["group"]]
+    without = {p.group: p.excess_mean_kld for p in b.parts}
+    for p in a.parts:
+        x, y = p.excess_mean_kld, without[p.group]
         if y == 0.0:  # the output class: the same Q8_0 blocks either way
             continue
         yield Check(
-            f"Q4_K_M-imatrix-dequantize-all: {p['group']}",
+            f"Q4_K_M-imatrix-dequantize-all: {p.group}",
             "excess mean KLD with / without the matrix",
             x / y,
             "< 1",

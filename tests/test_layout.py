@@ -55,7 +55,7 @@ def imports(name: str, path: Path) -> set[str]:
             if node.level:
                 up = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join([*up, base] if base else up)
-            targets = [f"{base}.{a.name}" for a in node.names] + [base]
+            targets = [f"{base}.{a.name}" for a in node.names]  # a module, or a name in base
         elif isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         for t in targets:
@@ -63,7 +63,6 @@ def imports(name: str, path: Path) -> set[str]:
                 t = t.rpartition(".")[0]
             if t and t != name:
                 found.add(t)
-                break
     return found
 
 

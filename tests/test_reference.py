@@ -26,7 +26,9 @@ def _installed(name: str) -> None:
         pytest.skip(f"{name} is not installed")
 
 
-@pytest.fixture(scope="module")
+# session scope: xdist runs the group's tests in one process, but not one after another, and
+# a module-scoped fixture was computed again each time its module came back (2 x 3 minutes)
+@pytest.fixture(scope="session")
 def f32_reference():
     """transformers f32 eager on qllama's F32 file: 300 greedy tokens, every position's logits."""
     _installed("transformers")
@@ -58,7 +60,8 @@ def assert_same_greedy(got, want, logits, bound) -> None:
     assert got[:n] == want[:n], f"greedy tokens differ before step {n}, the first near tie"
 
 
-@pytest.mark.parametrize("backend", ["numpy", "torch", "jax"])
+# jax's column is the study's too (CI's part of it asserts the F32 control on jax): slow here
+@pytest.mark.parametrize("backend", ["numpy", "torch", pytest.param("jax", marks=pytest.mark.slow)])
 def test_f32_control_matches_transformers(f32_reference, backend):
     _installed(backend)
     path, ref = f32_reference
@@ -74,7 +77,8 @@ def test_f32_control_matches_transformers(f32_reference, backend):
     assert_same_greedy(own, ref.continuation, ref.step_logits, bound)
 
 
-@pytest.mark.parametrize("file_type", ["Q8_0", "Q4_K_M"])
+# Q4_K_M's pair is the study's finding on every prompt CI runs: slow here (2 minutes)
+@pytest.mark.parametrize("file_type", ["Q8_0", pytest.param("Q4_K_M", marks=pytest.mark.slow)])
 def test_gpu_arithmetic_equals_dequantize_all(f32_reference, file_type):
     _installed("torch")
     ref = f32_reference[1]

@@ -11,7 +11,9 @@ from typing import Any
 import pytest
 
 from qllama.study import load_study
-from qllama.study.findings import Outcome, evaluate
+from qllama.study.collect import from_json
+from qllama.study.findings import Outcome
+from qllama.study.findings import evaluate as evaluate_data
 
 ROOT = Path(__file__).parent.parent
 RESULTS = ROOT / "docs" / "results.json"
@@ -27,6 +29,11 @@ def run() -> dict[str, Any]:
     if not RESULTS.exists():
         pytest.skip("no docs/results.json (run nox -s experiments)")
     return json.loads(RESULTS.read_text())
+
+
+def evaluate(study: Any, doc: dict[str, Any]) -> list[Outcome]:
+    """The findings on a results.json document (mutated as JSON, then read back)."""
+    return evaluate_data(study, from_json(doc))
 
 
 def outcome(outcomes: list[Outcome], name: str) -> Outcome:

@@ -174,7 +174,7 @@ def q8_cpu_error_below(bound: float) -> Any:
     def finding(view: View) -> list[Check]:
         c = view.cell("Q8_0", "cpu")
         assert c is not None
-        v = c["teacher_forcing"]["median_max_abs"]
+        v = c.teacher_forcing.median_max_abs
         return [Check("Q8_0-cpu", "median max|Δ|", v, f"< {bound}", v < bound)]
 
     return finding
@@ -183,7 +183,7 @@ def q8_cpu_error_below(bound: float) -> Any:
 def gpu_flips_to_test(view: View) -> list[Check]:
     """A check about a setting this study does not have: nothing to test, not a pass."""
     c = view.cell("Q8_0", "gpu")
-    flips = None if c is None else len(c["teacher_forcing"]["flips"])
+    flips = None if c is None else len(c.teacher_forcing.flips)
     return [Check("Q8_0-gpu", "flips", flips, "> 0", None if flips is None else flips > 0)]
 
 

@@ -19,7 +19,9 @@ from qllama.atomic import atomic_write
 
 @dataclass
 class CellResult:
-    """What a cell measured: ``numbers`` (cell id, key, measures...) and named arrays."""
+    """What a cell measured, as stored: ``numbers`` (cell id, key, ..., and ``measures``, each
+    measure's numbers by name) and its arrays, named ``measure.field``. Each measure's result
+    is read back by :func:`qllama.study.measures.read` (:mod:`qllama.study.results`)."""
 
     numbers: dict[str, Any]
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
@@ -27,14 +29,6 @@ class CellResult:
     @property
     def key(self) -> str:
         return str(self.numbers["key"])
-
-    def measure(self, name: str) -> dict[str, Any]:
-        """One measure's numbers."""
-        out: dict[str, Any] = self.numbers["measures"][name]
-        return out
-
-    def array(self, measure: str, name: str) -> np.ndarray:
-        return self.arrays[f"{measure}.{name}"]
 
 
 class CellCache:

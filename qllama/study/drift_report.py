@@ -13,7 +13,9 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from qllama.measure.trace import PointErrors, SettingTrace, TraceReport
+from qllama.measure.trace import SettingTrace, TraceReport
+from qllama.study.collect import CellRecord, PromptResults, measure_options
+from qllama.study.results import Attribution
 
 Table = Callable[[Sequence[str], Sequence[Sequence[Any]]], list[str]]
 
@@ -26,54 +28,52 @@ def _share(x: float, whole: float) -> str:
     return f"{100 * x / whole:.1f}%" if whole > 0 else "–"
 
 
-def _what(a: Mapping[str, Any]) -> str:
-    if a["kind"] == "activations":
+def _what(a: Attribution) -> str:
+    if a.kind == "activations":
         return (
-            f"activations rounded to Q8 for one {a['by']} at a time, the rest on "
-            f"{a['arithmetic']} activations"
+            f"activations rounded to Q8 for one {a.by} at a time, the rest on "
+            f"{a.arithmetic} activations"
         )
-    return f"the file's weights for one {a['by']} at a time, the rest of the F32 file's"
+    return f"the file's weights for one {a.by} at a time, the rest of the F32 file's"
 
 
-def attribution_cells(cells: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
-    """The cells of one prompt (label -> numbers) that hold an attribution."""
-    return {
-        k: c["measures"]["attribution"] for k, c in cells.items() if "attribution" in c["measures"]
-    }
+def attribution_cells(cells: Mapping[str, CellRecord]) -> dict[str, Attribution]:
+    """The cells of one prompt (by label) that hold an attribution, and theirs."""
+    return {k: c.measures.attribution for k, c in cells.items() if "attribution" in c.measures}
 
 
-def section_attribution(cells: Mapping[str, Any], table: Table) -> list[str]:
+def section_attribution(cells: Mapping[str, CellRecord], table: Table) -> list[str]:
     """One table per attributed cell: each group's excess over the baseline, ranked."""
     out = []
     for label, a in attribution_cells(cells).items():
-        whole = a["whole_excess"]
-        rows = [
+        whole = a.whole_excess
+        rows: list[list[Any]] = [
             [
-                p["group"],
-                len(p["tensors"]),
-                _g(p["excess_mean_kld"]),
-                _share(p["excess_mean_kld"], whole["mean_kld"]),
-                _g(p["excess_median_max_abs"]),
+                p.group,
+                len(p.tensors),
+                _g(p.excess_mean_kld),
+                _share(p.excess_mean_kld, whole.mean_kld),
+                _g(p.excess_median_max_abs),
             ]
-            for p in a["parts"]
+            for p in a.parts
         ]
-        parts = a["sum_of_parts"]
+        parts = a.sum_of_parts
         rows += [
             [
                 "**sum of the parts**",
                 "",
-                _g(parts["mean_kld"]),
-                _share(parts["mean_kld"], whole["mean_kld"]),
-                _g(parts["median_max_abs"]),
+                _g(parts.mean_kld),
+                _share(parts.mean_kld, whole.mean_kld),
+                _g(parts.median_max_abs),
             ],
-            ["**whole** (all on)", "", _g(whole["mean_kld"]), "100%", _g(whole["median_max_abs"])],
+            ["**whole** (all on)", "", _g(whole.mean_kld), "100%", _g(whole.median_max_abs)],
         ]
-        b = a["baseline"]
+        b = a.baseline
         out += [
             f"### Attribution: {label}\n",
-            f"{_what(a)}; {a['steps']} teacher-forced steps. Excess = the variant's number "
-            f"minus the baseline's (all off: mean KLD {_g(b['mean_kld'])}, median max |Δlogit| "
-            f"{_g(b['median_max_abs'])}).\n",
+            f"{_what(a)}; {a.steps} teacher-forced steps. Excess = the variant's number "
+            f"minus the baseline's (all off: mean KLD {_g(b.mean_kld)}, median max |Δlogit| "
+            f"{_g(b.median_max_abs)}).\n",
             *table(
                 ["group", "tensors", "excess mean KLD", "share", "excess median max |Δlogit|"],
                 rows,
@@ -82,34 +82,31 @@ def section_attribution(cells: Mapping[str, Any], table: Table) -> list[str]:
     return out
 
 
-def summary_attribution(prompts: Mapping[str, Any], table: Table) -> list[str]:
+def summary_attribution(prompts: Mapping[str, PromptResults], table: Table) -> list[str]:
     """Each attributed cell's shares of the whole by group, prompt by prompt."""
-    labels = list(dict.fromkeys(k for e in prompts.values() for k in attribution_cells(e["cells"])))
+    labels = list(dict.fromkeys(k for e in prompts.values() for k in attribution_cells(e.cells)))
     out = []
     for label in labels:
         per = {
             p: a
             for p, e in prompts.items()
-            if (a := attribution_cells(e["cells"]).get(label)) is not None
+            if (a := attribution_cells(e.cells).get(label)) is not None
         }
-        groups = list(dict.fromkeys(g["group"] for a in per.values() for g in a["parts"]))
+        groups = list(dict.fromkeys(g.group for a in per.values() for g in a.parts))
 
-        def share(a: Mapping[str, Any], group: str) -> str:
-            part = next(g for g in a["parts"] if g["group"] == group)
-            return _share(part["excess_mean_kld"], a["whole_excess"]["mean_kld"])
+        def share(a: Attribution, group: str) -> str:
+            part = next(g for g in a.parts if g.group == group)
+            return _share(part.excess_mean_kld, a.whole_excess.mean_kld)
 
         rows = [[g, *(share(a, g) for a in per.values())] for g in groups]
         rows.append(
             [
                 "**sum of the parts**",
-                *(
-                    _share(a["sum_of_parts"]["mean_kld"], a["whole_excess"]["mean_kld"])
-                    for a in per.values()
-                ),
+                *(_share(a.sum_of_parts.mean_kld, a.whole_excess.mean_kld) for a in per.values()),
             ]
         )
         rows.append(
-            ["whole: excess mean KLD", *(_g(a["whole_excess"]["mean_kld"]) for a in per.values())]
+            ["whole: excess mean KLD", *(_g(a.whole_excess.mean_kld) for a in per.values())]
         )
         first = next(iter(per.values()))
         out += [
@@ -123,12 +120,8 @@ def summary_attribution(prompts: Mapping[str, Any], table: Table) -> list[str]:
 # --- the layer trace ---------------------------------------------------------------------------
 
 
-def _errors(measure: Mapping[str, Any]) -> dict[str, PointErrors]:
-    return {n: PointErrors(**e) for n, e in measure["errors"].items()}
-
-
 def traces(
-    cells: Mapping[str, Any],
+    cells: Mapping[str, CellRecord],
     variants: Sequence[str],
     settings: Sequence[str],
     control: str,
@@ -145,13 +138,31 @@ def traces(
             ours, ctrl = cells.get(f"{v}-{s}"), cells.get(f"{control}-{s}")
             if ours is None or ctrl is None:
                 continue
-            mo, mc = ours["measures"].get("layer_trace"), ctrl["measures"].get("layer_trace")
-            if mo is None or mc is None:
+            if "layer_trace" not in ours.measures or "layer_trace" not in ctrl.measures:
                 continue
+            mo, mc = ours.measures.layer_trace, ctrl.measures.layer_trace
             positions = list(range(n_tokens))
             report = out.setdefault(v, TraceReport(v, control, n_tokens, positions))
-            report.settings[s] = SettingTrace(s, _errors(mo), _errors(mc), list(mo["residual"]))
+            report.settings[s] = SettingTrace(
+                s, dict(mo.errors), dict(mc.errors), list(mo.residual)
+            )
     return out
+
+
+def prompt_traces(study: Mapping[str, Any], entry: PromptResults) -> dict[str, TraceReport]:
+    """The layer traces of one prompt's cells, each beside its F32 control (the measure's
+    ``f32``, or the study's first variant)."""
+    options = measure_options(study, "layer_trace")
+    if options is None:
+        return {}
+    ref = entry.reference
+    return traces(
+        entry.cells,
+        list(study["variants"]),
+        list(study["settings"]),
+        options.get("f32") or next(iter(study["variants"])),
+        ref.prompt_tokens + ref.length,
+    )
 
 
 def _where(name: str | None) -> str:

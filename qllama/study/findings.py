@@ -2,10 +2,12 @@
 
 A finding is a function ``check(view) -> list[Check]`` that the study's author attaches to the
 declaration (``[[finding]] check = "package.module:function"``). ``view`` is one prompt's
-cells in one draw: :meth:`View.cell` gives a cell's measures, ``view.reference`` the
-reference's length, end and per-step margins. The function is run on the base draw and on
-every perturbation (a cell a draw reruns replaces the base cell in that draw's view); a check
-holds when it holds in every draw, so a bound is asserted against the band, not one draw.
+cells in one draw: :meth:`View.cell` gives a cell's measures, each measure's result a
+dataclass (:mod:`qllama.study.results`: ``view.cell("Q8_0", "cpu").teacher_forcing.flips``),
+and ``view.reference`` the reference's length, end and per-step margins. The function is run
+on the base draw and on every perturbation (a cell a draw reruns replaces the base cell in that
+draw's view); a check holds when it holds in every draw, so a bound is asserted against the
+band, not one draw.
 
 A check that has nothing to test (no flip to measure a margin of, a setting absent on this
 prompt) says so with ``ok=None``: it is shown as n/a, neither a pass nor a failure. An
@@ -26,7 +28,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from qllama.study.collect import Collected, ReferenceInfo
 from qllama.study.declaration import FindingSpec, Study, StudyError
+from qllama.study.results import Measures
 
 
 @dataclass
@@ -59,30 +63,27 @@ def fmt(x: Any) -> str:
 class View:
     """One prompt's results in one draw, as a finding reads them."""
 
-    def __init__(self, data: Mapping[str, Any], prompt: str, draw: str = "") -> None:
+    def __init__(self, data: Collected, prompt: str, draw: str = "") -> None:
         self.prompt = prompt
         self.draw = draw
-        self._p = data["prompts"][prompt]
-        self._cells: dict[str, Any] = dict(self._p["cells"])
+        p = data.prompts[prompt]
+        self._cells = dict(p.cells)
         if draw:
-            self._cells |= self._p["draws"].get(draw, {})
+            self._cells |= p.draws.get(draw, {})
         self.settings: list[str] = [
-            s for s in data["study"]["settings"] if any(k.endswith("-" + s) for k in self._cells)
+            s for s in data.study["settings"] if any(k.endswith("-" + s) for k in self._cells)
         ]
         self.variants: list[str] = [
-            v for v in data["study"]["variants"] if any(k.startswith(v + "-") for k in self._cells)
+            v for v in data.study["variants"] if any(k.startswith(v + "-") for k in self._cells)
         ]
-        ref = self._p["reference"]
-        self.reference: dict[str, Any] = {
-            "length": ref["length"],
-            "eos": ref["eos"],
-            "margin": ref["margin"],
-        }
+        # length, eos, margin, ...: the base draw's (a draw's recomputed reference has the
+        # same tokens)
+        self.reference: ReferenceInfo = p.reference
 
-    def cell(self, variant: str, setting: str) -> dict[str, Any] | None:
+    def cell(self, variant: str, setting: str) -> Measures | None:
         """The measures of cell ``variant-setting`` (None when it is not part of this prompt)."""
         c = self._cells.get(f"{variant}-{setting}")
-        return None if c is None else c["measures"]
+        return None if c is None else c.measures
 
 
 @dataclass
@@ -209,14 +210,14 @@ def combine(per_draw: Mapping[str, list[Check]]) -> list[Combined]:
     return list(out.values())
 
 
-def evaluate(study: Study, data: Mapping[str, Any]) -> list[Outcome]:
+def evaluate(study: Study, data: Collected) -> list[Outcome]:
     """Every finding of ``study`` on every prompt, across the draws that ran."""
     outcomes = []
     for spec in study.findings:
         fn = resolve(spec, study.folder)
         checks = {}
-        for prompt in data["prompts"]:
-            draws = ["", *data["prompts"][prompt]["draws"]]
+        for prompt, results in data.prompts.items():
+            draws = ["", *results.draws]
             per_draw = {d: list(fn(View(data, prompt, d))) for d in draws}
             checks[prompt] = combine(per_draw)
         outcomes.append(Outcome(spec.name, spec.asserted, spec.about, checks))

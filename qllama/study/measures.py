@@ -1,13 +1,20 @@
-"""The measures a cell runs: registered functions of (model, reference, options) -> numbers.
+"""The measures a cell runs: registered functions of (model, reference, options) -> result.
 
-A measure returns a dict of JSON values (numbers, strings, lists, dicts, None); numpy arrays
-in it are kept beside the JSON (an ``.npz``), for plots and tables that need every step. A
+A measure returns a frozen dataclass, its result, whose fields say what each number is (those
+of the measures here are in :mod:`qllama.study.results`, which stores and reads them): the
+function's return annotation names it, so a cached cell is read back into it. Its numpy
+array fields are kept beside the JSON (an ``.npz``), for plots and tables that need every
+step. A measure may also return a dict of JSON values and arrays, read back as a dict. A
 study names its measures (``measures = ["teacher_forcing", ...]``); a name is one registered
 here or an import path ``"package.module:function"`` (a function registered with
 :func:`register` when its module is imported, or a plain function of the same signature).
 
+    @dataclass(frozen=True)
+    class Mine:
+        mean: float  # what it is
+
     @register("my_measure", defaults={"k": 3}, about="what it measures")
-    def my_measure(model, reference, options): ...
+    def my_measure(model, reference, options) -> Mine: ...
 
 Measures that need the whole forward pass at every layer (``layer_trace``), many passes
 (``attribution``) or a corpus (``corpus``) are registered the same way, and a study limits
@@ -23,6 +30,7 @@ import hashlib
 import importlib
 import importlib.util
 import json
+import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,16 +38,27 @@ from typing import Any
 import numpy as np
 
 from qllama.measure.compare import Reference, free_generation, teacher_forcing
+from qllama.study import results
 from qllama.study.declaration import MeasureSpec, StudyError
+from qllama.study.results import (
+    Attribution,
+    Corpus,
+    Flip,
+    FreeGeneration,
+    LastPosition,
+    LayerTrace,
+    TeacherForcing,
+)
 
-MeasureFn = Callable[[Any, Reference, Mapping[str, Any]], dict[str, Any]]
+MeasureFn = Callable[[Any, Reference, Mapping[str, Any]], Any]
 
 TOP = 5  # per-step top-k kept for the cross-setting tables
 
 
 @dataclass(frozen=True)
 class Measure:
-    """A registered measure: its function, its default options, one line about it."""
+    """A registered measure: its function, its default options, one line about it, and the
+    dataclass of its result (None: it returns a dict)."""
 
     name: str
     run: MeasureFn
@@ -47,6 +66,7 @@ class Measure:
     about: str = ""
     # options whose value names one of the study's variants: the measure is given its path
     files: tuple[str, ...] = ()
+    result: type | None = None
 
     def options(self, given: Mapping[str, Any]) -> dict[str, Any]:
         """The defaults overridden by ``given``; an unknown option is refused."""
@@ -76,10 +96,21 @@ def register(
     def add(fn: MeasureFn) -> MeasureFn:
         if name in REGISTRY and REGISTRY[name].run is not fn:
             raise StudyError(f"a measure named {name!r} is registered already")
-        REGISTRY[name] = Measure(name, fn, dict(defaults or {}), about, tuple(files))
+        REGISTRY[name] = Measure(
+            name, fn, dict(defaults or {}), about, tuple(files), result_type(fn)
+        )
         return fn
 
     return add
+
+
+def result_type(fn: MeasureFn) -> type | None:
+    """The dataclass ``fn``'s return annotation names (None: it returns a dict, or says not)."""
+    try:
+        hint = typing.get_type_hints(fn).get("return")
+    except Exception:  # an annotation that does not resolve (a name imported in the function)
+        return None
+    return hint if isinstance(hint, type) and dataclasses.is_dataclass(hint) else None
 
 
 def variants_named(spec: MeasureSpec) -> list[str]:
@@ -110,38 +141,36 @@ def get(name: str) -> Measure:
     for m in REGISTRY.values():  # importing the module registered it under its own name
         if m.run is fn:
             return m
-    return Measure(name, fn)
-
-
-def _plain(value: Any, where: str) -> Any:
-    """``value`` as JSON data (numpy scalars become Python numbers)."""
-    if isinstance(value, np.generic):
-        return value.item()
-    if value is None or isinstance(value, bool | int | float | str):
-        return value
-    if isinstance(value, Mapping):
-        return {str(k): _plain(v, f"{where}.{k}") for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_plain(v, where) for v in value]
-    raise StudyError(f"measure value {where} is a {type(value).__name__}, not JSON data")
+    return Measure(name, fn, result=result_type(fn))
 
 
 def run(
     spec: MeasureSpec, model: Any, ref: Reference, files: Mapping[str, str] | None = None
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Run one measure: its numbers (JSON) and its arrays. ``files`` maps the study's variant
-    names to their paths (those the measure's file options name)."""
+) -> Any:
+    """Run one measure: its result (:func:`qllama.study.results.encode` stores it). ``files``
+    maps the study's variant names to their paths (those the measure's file options name)."""
     m = get(spec.name)
     options = m.options(spec.options)
     for opt in m.files:
         if options[opt] is not None:
             options[opt] = (files or {})[options[opt]]
     out = m.run(model, ref, options)
-    if not isinstance(out, Mapping):
-        raise StudyError(f"measure {spec.name!r} returned a {type(out).__name__}, not a dict")
-    numbers = {k: v for k, v in out.items() if not isinstance(v, np.ndarray)}
-    arrays = {k: v for k, v in out.items() if isinstance(v, np.ndarray)}
-    return _plain(numbers, spec.name), arrays
+    want = m.result or Mapping
+    if not isinstance(out, want):
+        raise StudyError(
+            f"measure {spec.name!r} returned a {type(out).__name__}, not a {want.__name__}"
+            + ("" if m.result else " (or annotate its return type with its dataclass)")
+        )
+    return out
+
+
+def read(name: str, numbers: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> Any:
+    """The result of measure ``name`` read back from a cell (the numbers it stored under the
+    name, and its arrays): its dataclass, or a dict for a measure that returns one."""
+    cls = get(name).result
+    if cls is None:
+        return {**numbers, **arrays}
+    return results.decode(cls, numbers, arrays, where=name)
 
 
 # --- the seed study's measures -----------------------------------------------------------------
@@ -153,11 +182,22 @@ def _top(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 @register("last_position", about="max |Δlogit| at the prompt's last position")
-def last_position(model: Any, ref: Reference, options: Mapping[str, Any]) -> dict[str, Any]:
+def last_position(model: Any, ref: Reference, options: Mapping[str, Any]) -> LastPosition:
     from qllama.array_api import to_numpy
 
     logits = np.asarray(to_numpy(model.forward(ref.tokens[: ref.n_prompt], pos=0)), np.float32)
-    return {"max_abs": float(np.abs(logits - ref.step_logits[0]).max())}
+    return LastPosition(max_abs=float(np.abs(logits - ref.step_logits[0]).max()))
+
+
+def _teacher_forcing(tf: Any, **arrays: Any) -> TeacherForcing:
+    """The result of a :class:`qllama.measure.compare.TeacherForcing`: its summary's numbers
+    and arrays."""
+    s = tf.summary()
+    flips = tuple(Flip(**f) for f in s.pop("flips"))
+    del s["kl"]  # the statistics themselves, not their dict
+    return TeacherForcing(
+        **s, flips=flips, kl=tf.kl, max_abs=tf.max_abs, argmax=tf.argmax, **arrays
+    )
 
 
 @register(
@@ -165,27 +205,20 @@ def last_position(model: Any, ref: Reference, options: Mapping[str, Any]) -> dic
     defaults={"top": TOP, "logits": False},
     about="the reference tokens fed one at a time: per-step max |Δ|, argmax, flips, KL",
 )
-def teacher_forcing_steps(model: Any, ref: Reference, options: Mapping[str, Any]) -> dict[str, Any]:
+def teacher_forcing_steps(model: Any, ref: Reference, options: Mapping[str, Any]) -> TeacherForcing:
     tf = teacher_forcing(model, ref, mode="steps")
     top_ids, top_logits = _top(tf.logits, int(options["top"]))
-    out: dict[str, Any] = {
-        **tf.summary(),
-        "max_abs": tf.max_abs,
-        "argmax": tf.argmax,
-        "top_ids": top_ids,
-        "top_logits": top_logits,
-    }
+    arrays = {"top_ids": top_ids, "top_logits": top_logits}
     if options["logits"]:  # every step's logits, for comparing two cells (study.compare)
-        out["logits"] = tf.logits
-    return out
+        arrays["logits"] = tf.logits
+    return _teacher_forcing(tf, **arrays)
 
 
 @register("teacher_forcing_batched", about="the same in one forward pass over every position")
 def teacher_forcing_batched(
     model: Any, ref: Reference, options: Mapping[str, Any]
-) -> dict[str, Any]:
-    tf = teacher_forcing(model, ref, mode="batched")
-    return {**tf.summary(), "max_abs": tf.max_abs, "argmax": tf.argmax}
+) -> TeacherForcing:
+    return _teacher_forcing(teacher_forcing(model, ref, mode="batched"))
 
 
 @register(
@@ -195,8 +228,9 @@ def teacher_forcing_batched(
 )
 def free_generation_measure(
     model: Any, ref: Reference, options: Mapping[str, Any]
-) -> dict[str, Any]:
-    return free_generation(model, ref, extra=int(options["extra"])).summary()
+) -> FreeGeneration:
+    s = free_generation(model, ref, extra=int(options["extra"])).summary()
+    return FreeGeneration(**{**s, "tokens": tuple(s["tokens"])})
 
 
 # --- where the drift enters (qllama.measure.trace, qllama.measure.attribution) -------------
@@ -215,7 +249,7 @@ def _source_path(model: Any, measure: str) -> str:
     files=("f32",),
     about="the cell's error split by tensor group: one group's cause switched on at a time",
 )
-def attribution_measure(model: Any, ref: Reference, options: Mapping[str, Any]) -> dict[str, Any]:
+def attribution_measure(model: Any, ref: Reference, options: Mapping[str, Any]) -> Attribution:
     """:func:`qllama.measure.attribution.attribute` on the cell's file and backend: ``kind``
     ``activations`` (the CPU arithmetic's activation rounding, one group at a time, the rest
     on ``arithmetic``) or ``weights`` (the file's weights, one group at a time, in the F32
@@ -232,7 +266,7 @@ def attribution_measure(model: Any, ref: Reference, options: Mapping[str, Any]) 
         backend=model.backend.name,
     ).to_dict()
     del out["file"]  # a path of this machine's cache; the cell names its file by hash
-    return out
+    return results.decode(Attribution, out, where="attribution")
 
 
 # who runs the F32 variant for a layer trace or a corpus base
@@ -273,7 +307,7 @@ def _reference_trace(path: str, tokens: tuple[int, ...], qkv: bool, kind: str) -
     files=("f32",),
     about="every layer's values against transformers' on the F32 variant, every position",
 )
-def layer_trace_measure(model: Any, ref: Reference, options: Mapping[str, Any]) -> dict[str, Any]:
+def layer_trace_measure(model: Any, ref: Reference, options: Mapping[str, Any]) -> LayerTrace:
     """The cell's residual stream, attention and MLP outputs (and Q/K/V with ``qkv``) at every
     position of the reference's tokens against the F32 variant ``f32`` run by ``reference``
     (transformers, or qllama's dequantize-all for a study whose reference is qllama's): the
@@ -290,10 +324,7 @@ def layer_trace_measure(model: Any, ref: Reference, options: Mapping[str, Any]) 
         str(options["f32"]), tokens, bool(options["qkv"]), str(options["reference"])
     )
     errors = compare(record(model, tokens, qkv=bool(options["qkv"])), reference)
-    return {
-        "residual": residual_names(model.config.n_layer),
-        "errors": {name: dataclasses.asdict(e) for name, e in errors.items()},
-    }
+    return LayerTrace(tuple(residual_names(model.config.n_layer)), errors)
 
 
 # --- a corpus, as llama-perplexity measures it (qllama.measure.perplexity) ----------------
@@ -311,11 +342,10 @@ def corpus_base(
     from qllama.atomic import exclusive
     from qllama.measure import corpus as corpora
     from qllama.measure import kld_base, perplexity
-    from qllama.runtime.tokenizer import Tokenizer
     from qllama.study.variants import file_sha256
 
     _reference_engine("corpus", reference)  # before anything is read
-    text, origin = corpora.from_spec(f"corpus:{corpus}")
+    origin = corpora.from_spec(f"corpus:{corpus}")[1]
     meta = {
         "model_sha256": file_sha256(f32_path),
         "setting": {"engine": ENGINES[reference]},
@@ -326,27 +356,26 @@ def corpus_base(
     path = defaults.cache_dir() / "corpus-bases" / name
     with exclusive(path.with_suffix(".lock")):
         if not path.exists():
-            tokenizer = Tokenizer.from_gguf(f32_path)
-            bos = tokenizer.bos_id if tokenizer.add_bos else None
-            ids = perplexity.tokenize(tokenizer, text)
-            wins = perplexity.windows(ids, n_ctx, n_chunks=chunks, bos=bos)
-            if wins.n_chunk < chunks:
-                raise StudyError(
-                    f"corpus {corpus!r} has {wins.n_chunk} windows of {n_ctx}, not {chunks}"
-                )
-            if reference == "transformers":
-                from qllama.measure.reference import load_transformers
 
-                scorer = perplexity.transformers_scorer(load_transformers(f32_path))
-            else:
-                from qllama.runtime.loader import load
+            def enough(wins: perplexity.Windows, setting: Mapping[str, Any]) -> None:
+                # llama-perplexity takes fewer windows; a cell's key promises this many
+                if wins.n_chunk < chunks:
+                    raise StudyError(
+                        f"corpus {corpus!r} has {wins.n_chunk} windows of {n_ctx}, not {chunks}"
+                    )
 
-                scorer = perplexity.qllama_scorer(load(f32_path, dequantize_all=True))
-            writer = kld_base.BaseWriter(
-                path, fmt, n_ctx=n_ctx, n_vocab=tokenizer.n_vocab, tokens=wins.tokens, meta=meta
+            perplexity.evaluate(
+                f32_path,
+                text=f"corpus:{corpus}",
+                n_ctx=n_ctx,
+                n_chunks=chunks,
+                engine=reference,
+                options={"dequantize_all": True},  # the qllama engine's; transformers' is f32
+                save_base=path,
+                base_format=fmt,
+                save_meta=meta,
+                on_start=enough,
             )
-            with writer:
-                perplexity.run(scorer, wins, save=writer)
     return kld_base.BaseFile.open(path)
 
 
@@ -364,7 +393,7 @@ def corpus_base(
     about="perplexity and KL divergence over a corpus against transformers f32, as "
     "llama-perplexity computes them",
 )
-def corpus_measure(model: Any, ref: Reference, options: Mapping[str, Any]) -> dict[str, Any]:
+def corpus_measure(model: Any, ref: Reference, options: Mapping[str, Any]) -> Corpus:
     """:func:`qllama.measure.perplexity.measure` of the cell's model over ``chunks`` windows of
     ``n_ctx`` tokens of ``corpus`` (:mod:`qllama.measure.corpus`), against transformers f32 on the
     F32
@@ -381,4 +410,5 @@ def corpus_measure(model: Any, ref: Reference, options: Mapping[str, Any]) -> di
         str(options["base_format"]),
         str(options["reference"]),
     )
-    return perplexity.measure(model, base, n_chunks=int(options["chunks"]))
+    numbers = perplexity.measure(model, base, n_chunks=int(options["chunks"]))
+    return results.decode(Corpus, numbers, where="corpus")

@@ -311,7 +311,7 @@ class Options:
 def run(study: Study, options: Options) -> int:
     """The whole study; 0 when every asserted finding holds, 1 when one fails or a cell
     failed, and the report (``options.docs``) written when every cell has a result."""
-    from qllama.study import findings, report
+    from qllama.study import collect, findings, report
 
     t0 = time.perf_counter()
     all_cells = product(study)
@@ -354,7 +354,7 @@ def run(study: Study, options: Options) -> int:
         _say(f"{len(missing)} cell(s) have no result yet (e.g. {missing[0]}); the report waits")
         return 0 if options.patterns else 1
     done = {cid: r for cid, r in results.items() if r is not None}
-    data = report.collect(plan, done)
+    data = collect.collect(plan, done)
     outcomes = findings.evaluate(study, data)
     if options.docs is not None:
         report.write(data, outcomes, options.docs)

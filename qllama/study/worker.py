@@ -128,7 +128,7 @@ def run_cell(task: CellTask, reference: bytes | None = None) -> CellResult:
     if task.how.env and not _isolated():
         result: CellResult = isolated(run_cell, task, reference, env=task.how.env)
         return result
-    from qllama.study import engines, measures
+    from qllama.study import engines, measures, results
     from qllama.study.variants import resolve
 
     t0 = time.perf_counter()
@@ -143,7 +143,7 @@ def run_cell(task: CellTask, reference: bytes | None = None) -> CellResult:
     numbers: dict[str, Any] = {}
     arrays: dict[str, np.ndarray] = {}
     for spec in task.measures:
-        nums, arrs = measures.run(spec, model, ref, files)
+        nums, arrs = results.encode(measures.run(spec, model, ref, files), spec.name)
         numbers[spec.name] = nums
         arrays |= {f"{spec.name}.{k}": v for k, v in arrs.items()}
     c = task.cell
