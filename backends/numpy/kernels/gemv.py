@@ -24,7 +24,7 @@ to the last, so that the bytes of a row are read once, in order, and used as the
   added to the row's sum sub-block by sub-block.
 
 These are the same integers and the same float32 operations, in the same order, as ggml's
-generic C and :func:`qllama.backends.numpy.dispatch.vec_dot`: ``tests/test_cpu_kernels.py`` checks
+generic C and :func:`qllama.backends.numpy.oracle.vec_dot`: ``tests/test_cpu_kernels.py`` checks
 them bit for bit. Rows are split over numba's threads.
 """
 
