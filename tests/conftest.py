@@ -25,10 +25,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+# first: pytest-xdist names each test's group in its own collection hook, from the marks the
+# test has by then (all of them, joined)
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Split the kernel tests' xdist group ("kernels") by weight type: numba compiles a type's
     kernels once, in the process that runs that type's tests, and the types spread over the
-    processes (the noxfile's PARALLEL). pytest-xdist reads the closest mark, this one."""
+    processes (the noxfile's PARALLEL)."""
     for item in items:
         mark = item.get_closest_marker("xdist_group")
         callspec = getattr(item, "callspec", None)
