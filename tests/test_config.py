@@ -61,9 +61,13 @@ SLIDING = ("gemma2", "gemma3", "olmo2", "phi3")
 # of a head; the vocabulary's size is the token count), or where llama.cpp reads the key and
 # then computes without it: the row is checked, but cannot tell the key's presence apart.
 SAME_EITHER_WAY = {
-    *((a, k) for a in ("qwen2", "phi3", "olmo2") for k in ("attention.key_length",)),
-    *((a, k) for a in ("qwen2", "phi3", "olmo2") for k in ("attention.value_length",)),
-    *((a, "rope.dimension_count") for a in ARCHITECTURES if a != "phi3"),
+    *(
+        (name, key)
+        for name, a in ARCHITECTURES.items()
+        if a.q_width_is_embd
+        for key in ("attention.key_length", "attention.value_length")
+    ),
+    *((name, "rope.dimension_count") for name, a in ARCHITECTURES.items() if not a.partial_rotary),
     *((a, "vocab_size") for a in ARCHITECTURES),
     ("olmo2", "rope.freq_base_swa"),
     ("phi3", "attention.sliding_window"),

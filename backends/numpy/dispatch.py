@@ -260,7 +260,6 @@ class NumpyBackend(ArrayBackend):
         self.blas_threads = blas_threads
         self._blas_limited = False
         self._kernel_state: tuple[int, Any, int] | None = None  # thread id, module, threads
-        # ids of weights -> (the weights, kept so that the ids stay theirs; their Streams)
 
     @property
     def weight_types(self) -> frozenset[GGMLType]:

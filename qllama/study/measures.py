@@ -395,9 +395,9 @@ def corpus_base(
 )
 def corpus_measure(model: Any, ref: Reference, options: Mapping[str, Any]) -> Corpus:
     """:func:`qllama.measure.perplexity.measure` of the cell's model over ``chunks`` windows of
-    ``n_ctx`` tokens of ``corpus`` (:mod:`qllama.measure.corpus`), against transformers f32 on the
-    F32
-    variant ``f32`` (the base, :func:`corpus_base`). The prompt of the cell is not used."""
+    ``n_ctx`` tokens of ``corpus`` (:mod:`qllama.measure.corpus`), against transformers f32 on
+    the F32 variant ``f32`` (the base, :func:`corpus_base`). The prompt of the cell is not
+    used."""
     from qllama.measure import perplexity
 
     if options["f32"] is None:

@@ -571,7 +571,7 @@ def computes_exactly(fmt: int, raw: np.ndarray) -> bool:
     takes about 0.2 s a GB, once per weight."""
     if fmt != Q8_0 or not gemv.Q8_SIGNED:
         return True
-    blocks = raw.reshape(-1, 34)  # (n_blocks, 2 + 32): fp16 d, then the codes
+    blocks = raw.reshape(-1, GGMLType.Q8_0.block.type_size)  # (n_blocks, 2 + 32): d, codes
     for b in range(0, blocks.shape[0], _SCAN_BLOCKS):
         if (blocks[b : b + _SCAN_BLOCKS, 2:] == 0x80).any():
             return False
