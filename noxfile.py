@@ -42,7 +42,7 @@ def install_tests(session: nox.Session) -> None:
     session.install(TORCH, *REFERENCE)
     # plot: the trace's figure; serve, hf, hf-eval and lm-eval: the server and adapter tests;
     # dask: the study's cluster test
-    session.install(".[dev,torch,jax,reference,fast,plot,serve,hf,hf-eval,dask]", LM_EVAL)
+    session.install(".[dev,torch,jax,reference,plot,serve,hf,hf-eval,dask]", LM_EVAL)
 
 
 @nox.session
@@ -65,16 +65,22 @@ def tests_avx2(session: nox.Session) -> None:
 
 
 # qllama.hf is tested at both ends of the transformers range it supports
-# (qllama.hf.TRANSFORMERS_RANGE, the hf extra): the cache API it implements moves between
-# 5.x releases. `nox -s tests` runs its tests at the newest, with the rest of the suite.
-HF_TRANSFORMERS = ["5.0.0", "5.24.0"]
-HF_TESTS = ["tests/test_hf.py", "tests/test_hf_tokenizer.py", "tests/test_hf_lm_eval.py"]
+# (qllama.hf.TRANSFORMERS_RANGE: the oldest 4.57 and the newest release), and at 5.0.0, where
+# the cache API it implements changed most. `nox -s tests` runs its tests too, with the
+# transformers of REFERENCE.
+HF_TRANSFORMERS = ["4.57.6", "5.0.0", "5.25.0"]
+HF_TESTS = [
+    "tests/test_hf.py",
+    "tests/test_hf_tokenizer.py",
+    "tests/test_hf_lm_eval.py",
+    "tests/test_hf_dropin.py",
+]
 
 
 @nox.session
 @nox.parametrize("transformers", HF_TRANSFORMERS)
 def hf(session: nox.Session, transformers: str) -> None:
-    """The transformers integration's tests at one end of its supported range."""
+    """The transformers integration's tests with one transformers release of its range."""
     session.install(TORCH, f"transformers=={transformers}", ".[dev,hf,hf-eval,reference]")
     args = session.posargs or ["-m", "not slow"]
     session.run("pytest", *HF_TESTS, *args)
@@ -102,7 +108,7 @@ def experiments(session: nox.Session) -> None:
     # reference: transformers runs the F32 file in the cells too (the layer trace's hooks,
     # the corpus base), at the reference's versions
     session.install(TORCH, *REFERENCE)
-    session.install("-e", ".[torch,jax,fast,plot,reference]")
+    session.install("-e", ".[torch,jax,plot,reference]")
     session.run("qllama", "study", "run", SEED, "--docs", "docs", *session.posargs)
 
 
@@ -140,7 +146,7 @@ def peers(session: nox.Session) -> None:
 def study_peers(session: nox.Session) -> None:
     """The seed study with llama.cpp's own CPU run as one more draw (builds llama-cpp-python)."""
     session.install(TORCH, *REFERENCE)
-    session.install("-e", ".[torch,jax,fast,plot,reference]")
+    session.install("-e", ".[torch,jax,plot,reference]")
     session.install(llama_cpp_wheel(session))
     session.run(
         "qllama", "study", "run", SEED, "--draw", "llama.cpp", "--docs", "docs", *session.posargs
@@ -157,7 +163,7 @@ def lint(session: nox.Session) -> None:
     session.install(TORCH, *REFERENCE, *LINTERS)
     # the optional modules' libraries too: without them their types are Any, and mypy's
     # verdict (unused ignores, say) would depend on what a machine happens to have
-    session.install(".[dev,torch,jax,fast,reference,hf,serve,dask,plot]")
+    session.install(".[dev,torch,jax,reference,hf,serve,dask,plot]")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
     config = str(Path(__file__).resolve().parent / "pyproject.toml")
@@ -190,7 +196,7 @@ def bench(session: nox.Session) -> None:
     host (benchmarks/isa.py; builds llama.cpp's libraries for AVX2 once, ~15 min).
     """
     session.install(TORCH, *REFERENCE)
-    session.install(".[torch,jax,fast,reference,serve]", "openai>=1.40", "psutil")
+    session.install(".[torch,jax,reference,serve]", "openai>=1.40", "psutil")
     note = []
     try:
         session.install(llama_cpp_wheel(session), *LLAMA_CPP_SERVER)

@@ -57,6 +57,13 @@ class ArrayBackend:
         self.device = device
         self.dequantize_all = dequantize_all
 
+    def describe(self) -> str:
+        """One line for a run's first output: the backend, its device and its arithmetic."""
+        where = f"{self.name} on {self.device}" if self.device is not None else self.name
+        if self.dequantize_all:
+            return f"{where}, dequantize-all arithmetic (every weight widened to f32 at load)"
+        return f"{where}, gpu arithmetic (f32 activations, weights dequantized in each matmul)"
+
     # -- protocol ------------------------------------------------------------------------------
 
     def supports(self, ggml_type: GGMLType) -> bool:

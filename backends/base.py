@@ -96,6 +96,28 @@ def attention_scores(backend: Backend, q: Any, k: Any) -> Any:
     return xp.matmul(q, xp.permute_dims(k, (0, 2, 1)))
 
 
+def arithmetic(backend: Backend) -> str:
+    """The study's name for what a backend computes (docs/architecture.md): ``cpu`` where
+    activations are quantized before integer dot products (the numpy backend's default),
+    ``dequantize-all`` where every weight was widened at load, ``per-tensor`` under an
+    arithmetic policy, else ``gpu`` (float activations times weights dequantized inside each
+    matmul)."""
+    if backend.dequantize_all:
+        return "dequantize-all"
+    if getattr(backend, "routes", None) is not None:
+        return "per-tensor"
+    return "cpu" if getattr(backend, "activations", None) == "q8" else "gpu"
+
+
+def describe(backend: Backend) -> str:
+    """One line saying what computes a run: the backend's ``describe()`` where its class has
+    one (device, arithmetic, kernels, threads), else its name and arithmetic."""
+    own = getattr(backend, "describe", None)
+    if own is not None:
+        return str(own())
+    return f"{backend.name}, {arithmetic(backend)} arithmetic"
+
+
 def matmuls(backend: Backend, x: Any, ws: Sequence[Any]) -> tuple[Any, ...]:
     """``x @ W.T`` for each weight of ``ws``: the backend's ``matmuls(x, ws)`` where its class
     defines one (the same numbers as ``matmul`` on each, in fewer calls), else ``matmul`` on

@@ -199,3 +199,14 @@ class FileType(enum.IntEnum):
     def label(self) -> str:
         """The name llama-quantize takes on its command line: ``Q4_K_M``, ``F32``."""
         return self.name.removeprefix("MOSTLY_").removeprefix("ALL_")
+
+
+def file_type_name(value: object) -> str:
+    """A ``general.file_type`` value as llama-quantize names it (``15`` is ``Q4_K_M``), or
+    what is wrong with it."""
+    if value is None:
+        return "no general.file_type"
+    try:
+        return FileType(int(value)).label  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        return f"general.file_type {value!r}, not one llama.cpp defines"

@@ -10,6 +10,7 @@ from bounds import forward_bound
 
 import qllama
 from qllama.array_api import to_numpy
+from qllama.backends.base import arithmetic, describe
 from qllama.errors import (
     BackendError,
     GGUFOpenError,
@@ -94,6 +95,10 @@ def test_each_tensor_is_computed_in_its_own_arithmetic(tiny_variants):
     assert mixed.backend.routes["blk.1.ffn_up.weight"] == "q8"
     assert mixed.backend.routes["blk.0.ffn_up.weight"] == "f32"
     assert mixed.weights.layers[1].attn_q.arithmetic == "q8"
+    said = describe(mixed.backend)  # what computes the run, as its first line says
+    assert said.startswith("per-tensor arithmetic (f32 for 8 tensors, q8 for 7 tensors); f32: ")
+    assert "; q8: numpy, cpu arithmetic" in said
+    assert arithmetic(mixed.backend) == "per-tensor"
     ours = record(mixed, IDS)
     f32 = record(qllama.load(path, activations="f32"), IDS)
     for p in ("attn_out", "ffn_out", "out"):

@@ -131,7 +131,17 @@ def test_attribute_command(tiny_variants, reference, tmp_path, capsys):
     assert "q8 activations for one tensor at a time" in text and "output.weight" in text
     doc = json.loads(out.read_text())
     assert doc["by"] == "tensor" and len(doc["parts"]) == 1 + 2 * 7  # no token_embd
-    # weights need the F32 file: with an .npz reference it must be named
-    assert main([*argv, "--kind", "weights"]) == 1
-    assert "needs the F32 file" in capsys.readouterr().err
+    # weights need the F32 file: with an .npz reference it must be named, before any work
+    with pytest.raises(SystemExit, match="2"):
+        main([*argv, "--kind", "weights"])
+    assert "needs --f32 (the F32 file)" in capsys.readouterr().err
+    # the F32 file must be one: a quantized file is refused as the f32 weights
+    with pytest.raises(SystemExit, match="2"):
+        main([*argv, "--kind", "weights", "--f32", str(tiny_variants["untied-Q8_0"])])
+    assert "holds quantized tensors (" in capsys.readouterr().err
     assert main([*argv, "--kind", "weights", "--f32", str(tiny_variants["untied-F32"])]) == 0
+    # --plot: the ranked groups as bars, a PNG; the JSON written first, whatever the plot does
+    png, doc = tmp_path / "a.png", tmp_path / "b.json"
+    argv += ["--kind", "activations", "--plot", str(png), "--top", "5", "--json", str(doc)]
+    assert main(argv) == 0
+    assert png.read_bytes().startswith(b"\x89PNG") and json.loads(doc.read_text())["parts"]

@@ -4,6 +4,7 @@ dequantize-all, against the dot products ggml itself computed (tests/data)."""
 from __future__ import annotations
 
 import hashlib
+import warnings
 
 import numpy as np
 import pytest
@@ -200,6 +201,32 @@ def test_options_and_devices_are_checked():
     assert NumpyBackend(device="cpu").device == "cpu"
     backend = get_backend("numpy", device="cpu", dequantize_all=False, activations="f32")
     assert isinstance(backend, NumpyBackend) and backend.activations == "f32"
+
+
+def test_a_backend_says_what_computes(monkeypatch):
+    from qllama.backends.base import arithmetic, describe
+
+    cpu = NumpyBackend(kernels="numpy")
+    assert describe(cpu).startswith("numpy, cpu arithmetic (activations quantized")
+    assert describe(cpu).endswith("the numpy oracle, 1 thread)") and arithmetic(cpu) == "cpu"
+    gpu = NumpyBackend(activations="f32", kernels="numpy")
+    assert "gpu arithmetic (f32 activations" in describe(gpu) and arithmetic(gpu) == "gpu"
+    dq = NumpyBackend(dequantize_all=True, kernels="numpy")
+    assert "dequantize-all arithmetic" in describe(dq) and arithmetic(dq) == "dequantize-all"
+
+
+def test_the_oracle_fallback_is_said_once(monkeypatch):
+    from qllama.backends.numpy import dispatch
+
+    monkeypatch.setattr(dispatch, "kernels_available", lambda: False)
+    dispatch._say_oracle_fallback.cache_clear()
+    with pytest.warns(RuntimeWarning, match="numba is not installed.*pip install numba"):
+        assert NumpyBackend().kernels == "numpy"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        NumpyBackend()  # said once per process
+        NumpyBackend(kernels="numpy")  # asked for: nothing to say
+    dispatch._say_oracle_fallback.cache_clear()
 
 
 def test_activation_formats_are_no_q8_weights(ggml_vectors):

@@ -11,6 +11,7 @@ import pytest
 from qllama.cli import main
 from qllama.gguf.reader import read_gguf
 from qllama.synthetic import TinyConfig, write_tiny_llama
+from qllama.version import __version__
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +108,10 @@ def test_errors_are_one_line_without_traceback(tiny, tmp_path, argv, message):
         [sys.executable, "-m", "qllama.cli", *argv], capture_output=True, text=True
     )
     assert run.returncode == 1
-    assert run.stderr.strip().startswith(message) and len(run.stderr.strip().splitlines()) == 1
+    # at most the run's first line (what computes it) before the one line of the error
+    lines = run.stderr.strip().splitlines()
+    assert lines[-1].startswith(message) and len(lines) <= 2
+    assert all(line.startswith(f"qllama {__version__}") for line in lines[:-1])
     assert "Traceback" not in run.stderr
 
 
@@ -116,3 +120,89 @@ def test_malformed_file(tmp_path, capsys):
     bad.write_bytes(b"GGUF" + bytes(30))
     assert main(["inspect", str(bad)]) == 1
     assert "GGUF version 0 unsupported" in capsys.readouterr().err
+
+
+def test_version_and_module_entry_point(capsys):
+    with pytest.raises(SystemExit, match="0"):
+        main(["--version"])
+    assert capsys.readouterr().out.strip() == f"qllama {__version__}"
+    run = subprocess.run(
+        [sys.executable, "-m", "qllama", "--version"], capture_output=True, text=True
+    )
+    assert run.returncode == 0 and run.stdout.strip() == f"qllama {__version__}"
+
+
+def test_help_shows_defaults(capsys):
+    with pytest.raises(SystemExit, match="0"):
+        main(["generate", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--max-new-tokens MAX_NEW_TOKENS default: 256" in out
+    assert "--top-k TOP_K default: 0" in out  # 0 is a default worth showing
+    assert "--chat wrap the prompt in the chat template" in out  # a flag: no "default: False"
+
+
+def test_an_unknown_option_is_the_subcommands_error(tiny, capsys):
+    with pytest.raises(SystemExit, match="2"):
+        main(["inspect", str(tiny), "--plot", "x.png"])
+    err = capsys.readouterr().err
+    assert err.startswith("usage: qllama inspect") and "unrecognized arguments: --plot x.png" in err
+
+
+def test_inspect_names_the_file_type(tiny, tmp_path, capsys):
+    out = tmp_path / "q.gguf"
+    assert main(["quantize", "-q", str(tiny), str(out), "Q8_0"]) == 0
+    capsys.readouterr()
+    assert main(["inspect", str(out)]) == 0
+    assert "general.file_type" in (
+        line := next(x for x in capsys.readouterr().out.splitlines() if "general.file_type" in x)
+    ) and line.rstrip().endswith("7 (Q8_0)")
+    assert main(["inspect", "--json", str(out)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["metadata"]["general.file_type"]["name"] == "Q8_0"
+
+
+def test_quantize_says_each_fallback(tiny, tmp_path, capsys):
+    # rows of 64 divide into no K-quant's 256: each such tensor falls back, and says so
+    out = tmp_path / "q.gguf"
+    assert main(["quantize", str(tiny), str(out), "Q5_K_M"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith(f"qllama {__version__}: ") and "to Q5_K_M" in err[0]
+    noted = [line for line in err if "are not a multiple of" in line]
+    fell = {name for name, (chosen, _) in _fallbacks(tiny, "Q5_K_M").items()}
+    assert len(noted) == len(fell) > 0
+    assert all("rows of 64 are not a multiple of Q" in line for line in noted)
+    assert f"{len(fell)} of " in err[-1] and "fell back" in err[-1]
+    # quiet: no progress, the fallbacks still, one line each
+    assert main(["quantize", "-q", str(tiny), str(out), "Q5_K_M"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert sum("fallback" in line for line in err) == len(fell)
+
+
+def _fallbacks(path, ftype):
+    from qllama.gguf.quantizer import plan_with_fallbacks
+
+    with read_gguf(path) as f:
+        return plan_with_fallbacks(f, ftype)[1]
+
+
+def test_generate_says_what_computes_and_where_it_stopped(tiny, capsys):
+    argv = ["generate", str(tiny), "--prompt", "the cat sat", "--max-new-tokens", "50"]
+    assert main([*argv, "--ctx", "8"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith(f"qllama {__version__}, numpy, cpu arithmetic (activations")
+    assert "threads" in err[0]
+    assert "stopped at the end of the context (8 positions)" in err[-1]
+    assert main([*argv, "--max-new-tokens", "2", "--dequantize-all"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert "dequantize-all arithmetic" in err[0] and len(err) == 1  # no context note
+
+
+def test_compare_explains_its_numbers(tiny, capsys):
+    argv = ["compare", str(tiny), "--prompt", "the cat sat", "--max-new-tokens", "4"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    # its own reference (the file dequantized), labelled for what it is
+    assert "(dequantize-all on numpy): the prompt (" in out
+    assert "and its greedy continuation (4 tokens" in out
+    assert "(± not computed: 4 values)" in out and "± 0.0e+00" not in out
+    assert "free generation: " in out and "new tokens, ended " in out

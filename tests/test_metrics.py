@@ -125,3 +125,14 @@ def test_rounding_spread_refuses_values_of_other_shapes():
 
     with pytest.raises(ValueError, match="one shape"):
         metrics.rounding_spread(np.zeros(3), np.zeros(4))
+
+
+def test_an_uncertainty_that_is_not_computed_says_so():
+    # llama.cpp computes no standard error of ten values or fewer: a 0 there is no measurement
+    assert metrics.plus_minus(1.5e-3, 0.0, 10) == "1.500e-03 (± not computed: 10 values)"
+    assert metrics.plus_minus(1.5e-3, 2e-4, 11) == "1.500e-03 ± 2.0e-04"
+    rng = np.random.default_rng(2)
+    for n, noted in ((8, True), (40, False)):
+        a = rng.standard_normal((n, 10))
+        text = metrics.format_kl_stats(metrics.kl_stats(a, a + 0.1, np.zeros(n, int)))
+        assert (metrics.UNCERTAINTY_NOTE in text) == noted

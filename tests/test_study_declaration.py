@@ -3,6 +3,7 @@ their content keys."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -224,6 +225,22 @@ BAD = [
     ({"threads": "two"}, "threads must be int"),
     ({"prompt": [{"name": "p", "text": "x", "max_new_tokens": "9"}]}, "max_new_tokens must be int"),
     ({"draw": [{"name": "d", "settings": ["cpu"], "env": {"A": 1}}]}, "draw 'd': A must be str"),
+    # what a setting computes with, checked at read time as qllama.load checks it
+    ({"setting": [{"name": "cpu", "backend": "nump"}]}, "setting 'cpu': unknown backend 'nump'"),
+    (
+        {"setting": [{"name": "cpu", "options": {"activations": "q9"}}]},
+        "setting 'cpu': backend numpy: activations must be one of",
+    ),
+    ({"setting": [{"name": "cpu", "options": {"kernel": "numba"}}]}, r"no options \['kernel'\]"),
+    ({"setting": [{"name": "cpu", "options": {"device": "tpu"}}]}, "device 'tpu' is none of"),
+    ({"setting": [{"name": "cpu", "options": {"kv_precision": "f8"}}]}, "kv_precision must be"),
+    ({"setting": [{"name": "cpu", "options": {"arithmetic": "q7"}}]}, "arithmetic 'q7'"),
+    (
+        {"draw": [{"name": "d", "settings": ["cpu"], "options": {"activation_rounding": "x"}}]},
+        "draw 'd' \\(on setting 'cpu'\\): backend numpy: activation_rounding must be",
+    ),
+    ({"reference": {"kind": "qllama", "backend": "jaxx"}}, "reference: unknown backend 'jaxx'"),
+    ({"variant": [{"type": "Q8_O"}]}, "variant 'Q8_O': type 'Q8_O' is not a file type"),
 ]
 
 
@@ -239,6 +256,46 @@ def test_a_bad_declaration_is_refused_naming_the_field(change, message):
     }
     with pytest.raises(StudyError, match=message):
         from_dict(doc | change)
+
+
+STUDY_WITH_A_TYPO = """\
+name = "s"
+model = "m.gguf"
+measures = ["teacher_forcing"]
+
+[[variant]]
+type = "F32"
+
+[[setting]]
+name = "cpu"
+
+[[setting]]
+name = "gpu"
+backend = "numpy"
+options = { activations = "f32", work_bytes = 1 }
+
+[[prompt]]
+name = "p"
+text = "x"
+"""
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "line", "message"),
+    [
+        ('backend = "numpy"', 'backend = "nump"', 13, "setting 'gpu': unknown backend 'nump'"),
+        ("work_bytes = 1", "work_bytes = 0", 14, "setting 'gpu': .*work_bytes must be positive"),
+        ('type = "F32"', 'type = "F23"', 6, "variant 'F23': type 'F23' is not a file type"),
+        ('name = "p"', 'name = "p"\nbits = 4', 18, r"\[\[prompt\]\] #1: unknown key 'bits'"),
+    ],
+)
+def test_a_declarations_error_names_its_line(tmp_path, old, new, line, message):
+    path = tmp_path / "s.toml"
+    path.write_text(STUDY_WITH_A_TYPO)
+    assert load_study(path).setting("gpu").options["work_bytes"] == 1  # as it should be
+    path.write_text(STUDY_WITH_A_TYPO.replace(old, new))
+    with pytest.raises(StudyError, match=f"^{re.escape(str(path))}:{line}: {message}"):
+        load_study(path)
 
 
 def test_a_file_that_is_not_a_study_is_refused(tmp_path):

@@ -88,6 +88,8 @@ def test_every_cell_runs_and_the_report_is_written(local_run):
     assert doc["prompts"]["raw"]["compare"]["Q8_0-cpu vs Q8_0-dequantize-all"]["steps"] == 6
     md = (folder / "docs" / "results.md").read_text()
     assert "## Prompt `raw`" in md and "## Summary across prompts" in md
+    # each setting with its options, as the declaration writes them (no Python reprs)
+    assert "**dequantize-all** = `numpy` with `dequantize_all = true`" in md and "{'" not in md
     assert (folder / "docs" / "plots" / "raw-max_abs.png").stat().st_size > 1000
 
 
@@ -261,7 +263,8 @@ def test_the_cli_lists_cells_runs_and_refuses_bad_studies(local_run, tmp_path, c
     assert (tmp_path / "docs" / "results.md").exists()
     (tmp_path / "bad.toml").write_text('name = "x"\nmodel = "m.gguf"\ncolour = 1\n')
     assert main(["study", "run", str(tmp_path / "bad.toml")]) == 1
-    assert "qllama study: error: unknown top-level key 'colour'" in capsys.readouterr().err
+    assert "qllama study: error: " in (err := capsys.readouterr().err)
+    assert "bad.toml:3: unknown top-level key 'colour'" in err
 
 
 def test_the_process_executors_workers_exit_when_the_driver_is_killed(tmp_path):
@@ -304,3 +307,10 @@ def test_the_process_executors_workers_exit_when_the_driver_is_killed(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_the_summary_plot_says_what_its_bars_are():
+    from qllama.study.plots import summary_title
+
+    assert "no draws: no bands" in summary_title([]) and "bars" not in summary_title([])
+    assert "the band over the draws avx2, sse" in summary_title(["avx2", "sse"])

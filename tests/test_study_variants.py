@@ -95,3 +95,13 @@ def test_a_missing_imatrix_file_or_an_f32_variant_is_refused(folder):
     study = study_with(folder, type="F32", imatrix_corpus="calib.txt")
     with pytest.raises(StudyError, match="needs a quantized type"):
         build(study.model_source(), study.variant("Q4_0-imatrix"))
+
+
+def test_an_f32_source_is_its_own_f32_variant(folder):
+    # no second copy of an F32 model in the cache: the file itself is the F32 variant
+    source = folder / "tiny.gguf"
+    built = build(source, Variant("F32"))
+    assert built.path == str(source) and built.sha256 == sha256_file(source)
+    assert not list((folder / "cache").rglob("*.F32.gguf"))
+    q8 = build(source, Variant("Q8_0"))  # quantized from it, into the cache
+    assert str(folder / "cache") in q8.path

@@ -17,6 +17,7 @@ from qllama.measure.trace import (
     BAND_FLOOR,
     PointErrors,
     SettingTrace,
+    TraceReport,
     layer_trace,
     positions_from_text,
 )
@@ -190,3 +191,95 @@ def test_trace_command(tiny_variants, tmp_path, capsys):
     bound = forward_bound(c.n_layer, c.n_ff, 1.0)  # relative (tests/bounds.py)
     assert max(e["rel_l2"] for e in control.values()) < bound
     assert (tmp_path / "t.png").exists()
+
+
+def _trace_argv(tiny_variants, tmp_path, reference):
+    return [
+        "trace",
+        str(tiny_variants["Q8_0"]),
+        "--reference",
+        str(reference),
+        "--prompt",
+        "the cat sat on the mat",
+        "--setting",
+        "cpu",
+        "--json",
+        str(tmp_path / "t.json"),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("reference", "message"),
+    [
+        ("missing.gguf", "does not exist"),
+        ("Q8_0", "holds quantized tensors (15 Q8_0)"),  # a quantized file is no f32 control
+    ],
+)
+def test_trace_refuses_a_reference_before_any_work(
+    tiny_variants, tmp_path, capsys, monkeypatch, reference, message
+):
+    if importlib.util.find_spec("transformers") is None:
+        pytest.skip("transformers is not installed")
+    path = tiny_variants.get(reference, tmp_path / reference)
+    monkeypatch.setattr("qllama.cli.trace.prompt_ids", _no_work)
+    with pytest.raises(SystemExit, match="2"):
+        main(_trace_argv(tiny_variants, tmp_path, path))
+    err = capsys.readouterr().err
+    assert "usage: qllama trace" in err and message in err and "huggingface" not in err
+
+
+def _no_work(*args, **kwargs):
+    raise AssertionError("the command started its work before refusing its arguments")
+
+
+def test_trace_plot_needs_matplotlib_before_any_work(tiny_variants, tmp_path, capsys, monkeypatch):
+    if importlib.util.find_spec("transformers") is None:
+        pytest.skip("transformers is not installed")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name)
+    )
+    monkeypatch.setattr("qllama.cli.trace.prompt_ids", _no_work)
+    argv = _trace_argv(tiny_variants, tmp_path, tiny_variants["F32"])
+    with pytest.raises(SystemExit, match="2"):
+        main([*argv, "--plot", str(tmp_path / "t.png")])
+    assert "--plot needs matplotlib: pip install 'qllama[plot]'" in capsys.readouterr().err
+
+
+def test_trace_writes_its_json_before_a_plot_fails(tiny_variants, tmp_path, capsys, monkeypatch):
+    if importlib.util.find_spec("transformers") is None:
+        pytest.skip("transformers is not installed")
+
+    def broken(self, path, prompt=""):
+        raise QllamaError("the plot failed")
+
+    monkeypatch.setattr(TraceReport, "plot", broken)
+    argv = _trace_argv(tiny_variants, tmp_path, tiny_variants["F32"])
+    assert main([*argv, "--plot", str(tmp_path / "t.png")]) == 1
+    assert json.loads((tmp_path / "t.json").read_text())["settings"]["cpu"]
+    assert "the plot failed" in capsys.readouterr().err
+
+
+def test_plot_keeps_coinciding_curves_visible(tiny_variants, reference, tmp_path, monkeypatch):
+    # two settings with the same numbers (dequantize-all and the GPU arithmetic on numpy are
+    # equal on an F32 file): the legend says so, and each line has its own marker
+    report = layer_trace(
+        tiny_variants["F32"],
+        tiny_variants["F32"],
+        IDS,
+        settings=["dequantize-all", "f32"],
+        reference=reference,
+    )
+    drawn = []
+    import matplotlib.axes
+
+    real = matplotlib.axes.Axes.plot
+
+    def spy(self, *args, **kwargs):
+        drawn.append((kwargs.get("label"), kwargs.get("marker")))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", spy)
+    report.plot(tmp_path / "t.png", prompt="the cat")
+    labels = [label for label, _ in drawn]
+    assert labels[2] == "f32 (= dequantize-all)" and len({m for _, m in drawn}) == 2

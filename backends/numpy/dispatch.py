@@ -19,7 +19,7 @@ count for the kernels (default: numba's own in the calling thread at its first m
 process-wide, when the kernels first run: the model's attention products go to BLAS, whose idle
 threads spin-wait for work on the cores the kernels' threads need (measured on 2 cores: teacher
 forcing over 337 tokens twice as fast with one BLAS thread; docs/bench.md). ``None`` leaves BLAS as
-it is. It needs threadpoolctl (part of ``qllama[fast]``) and is skipped without it.
+it is. It needs threadpoolctl (a dependency of qllama) and is skipped without it.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import functools
 import importlib.util
 import itertools
 import threading
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, cast
@@ -87,6 +88,18 @@ def _limit_blas(threads: int) -> None:
 def kernels_available() -> bool:
     """Whether the compiled kernels can run here (numba is installed; not imported yet)."""
     return importlib.util.find_spec("numba") is not None
+
+
+ORACLE_FALLBACK = (
+    "numba is not installed: the numpy backend computes the CPU arithmetic with its oracle, "
+    "some 30 times slower (same numbers). pip install numba (a dependency of qllama) fixes it"
+)
+
+
+@functools.cache
+def _say_oracle_fallback() -> None:
+    """Say once per process that the default kernels fell back to the oracle."""
+    warnings.warn(ORACLE_FALLBACK, RuntimeWarning, stacklevel=4)
 
 
 @dataclass(frozen=True)
@@ -226,12 +239,14 @@ class NumpyBackend(ArrayBackend):
             )
         if kernels is None:
             kernels = "numba" if kernels_available() else "numpy"
+            if kernels == "numpy":
+                _say_oracle_fallback()
         if kernels not in KERNELS:
             raise BackendError(f"backend numpy: kernels must be one of {KERNELS}, not {kernels!r}")
         if kernels == "numba" and not kernels_available():
             raise BackendError(
                 "backend numpy: kernels='numba' needs numba; install it with "
-                "pip install 'qllama[fast]', or use kernels='numpy'"
+                "pip install numba, or use kernels='numpy'"
             )
         for option, value in (("threads", threads), ("blas_threads", blas_threads)):
             if value is not None and value < 1:
@@ -260,6 +275,22 @@ class NumpyBackend(ArrayBackend):
         self.blas_threads = blas_threads
         self._blas_limited = False
         self._kernel_state: tuple[int, Any, int] | None = None  # thread id, module, threads
+
+    def describe(self) -> str:
+        """The arithmetic, and what computes it: the compiled kernels and their threads, or
+        the oracle (BLAS for what is float)."""
+        if self.kernels == "numba":
+            import numba
+
+            how = f"numba kernels, {self.threads or numba.get_num_threads()} threads"
+        else:
+            how = "the numpy oracle, 1 thread"
+        if self._q8:
+            return (
+                f"numpy, cpu arithmetic (activations quantized to each weight's vec_dot_type, "
+                f"integer dot products; {how})"
+            )
+        return f"{super().describe()}; {how}"
 
     @property
     def weight_types(self) -> frozenset[GGMLType]:

@@ -7,7 +7,14 @@ import argparse
 import sys
 from typing import Any
 
-from qllama.cli.common import Subparsers, add_chat_arg, add_json_arg, prompt_ids, write_json
+from qllama.cli.common import (
+    Subparsers,
+    add_chat_arg,
+    add_json_arg,
+    prompt_ids,
+    require_module,
+    write_json,
+)
 from qllama.errors import QllamaError
 
 
@@ -36,8 +43,33 @@ def add_parser(sub: Subparsers) -> None:
         help="where the cause is off (default f32)",
     )
     s.add_argument("--backend", help="numpy (default) | torch | jax")
+    s.add_argument("--plot", help="write a bar chart of the ranked groups here (PNG)")
+    s.add_argument("--top", type=int, default=30, help="the plot's bars: the largest groups")
     add_json_arg(s)
-    s.set_defaults(run=run)
+    s.set_defaults(run=run, check=check)
+
+
+def check(args: argparse.Namespace) -> None:
+    """Before any work: the reference and the F32 file exist and are what they claim, a GGUF
+    reference has its prompt, and the plot has matplotlib."""
+    from pathlib import Path
+
+    from qllama.measure.reference import check_reference_file
+
+    if args.reference.endswith(".npz"):
+        if not Path(args.reference).is_file():
+            raise QllamaError(f"the reference {args.reference} does not exist")
+        if args.kind == "weights" and args.f32 is None:
+            raise QllamaError("--kind weights with an .npz reference needs --f32 (the F32 file)")
+    else:
+        if args.prompt is None:
+            raise QllamaError("a GGUF reference needs --prompt (an .npz reference has its tokens)")
+        require_module("transformers", "reference", "a GGUF reference (transformers runs it)")
+        check_reference_file(args.reference)
+    if args.f32 is not None:
+        check_reference_file(args.f32)
+    if args.plot:
+        require_module("matplotlib", "plot", "--plot")
 
 
 def _progress_bar(desc: str) -> Any:
@@ -61,13 +93,19 @@ def run(args: argparse.Namespace) -> int:
     """The reference (an .npz, or transformers on a GGUF), then one pass per group; printed."""
     from qllama.measure.attribution import attribute
     from qllama.measure.compare import Reference
+    from qllama.version import __version__
+
+    print(
+        f"qllama {__version__}, {args.backend or 'numpy'}: {args.kind} for one {args.by} at a "
+        f"time, the rest {args.arithmetic} arithmetic",
+        file=sys.stderr,
+        flush=True,
+    )
 
     if args.reference.endswith(".npz"):
         ref = Reference.load(args.reference)
         f32 = args.f32
     else:
-        if args.prompt is None:
-            raise QllamaError("a GGUF reference needs --prompt (an .npz reference has its tokens)")
         prompt, stops = prompt_ids(args.file, args.prompt, args.chat)
         from qllama.measure.reference import transformers_reference
 
@@ -87,6 +125,9 @@ def run(args: argparse.Namespace) -> int:
         progress=_progress_bar(f"attribute by {args.by}"),
     )
     print(result.format())
-    if args.json:
+    if args.json:  # first: a plot that fails loses no number
         write_json(args.json, result.to_dict())
+    if args.plot:
+        result.plot(args.plot, top=args.top)
+        print(f"wrote {args.plot}")
     return 0

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import sys
 from typing import Any, TypeAlias
+
+from qllama.errors import QllamaError
 
 # argparse names no public type for what add_subparsers returns
 Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
@@ -30,6 +34,22 @@ def backend_options(args: argparse.Namespace) -> dict[str, Any]:
     if args.activations:
         options["activations"] = args.activations
     return options
+
+
+def announce(backend: Any, what: str = "") -> None:
+    """The first line of a command that computes: qllama's version, what it runs on (backend,
+    device, arithmetic, kernels, threads), on stderr."""
+    from qllama.backends.base import describe
+    from qllama.version import __version__
+
+    lead = f"{what}: " if what else ""
+    print(f"{lead}qllama {__version__}, {describe(backend)}", file=sys.stderr, flush=True)
+
+
+def require_module(module: str, extra: str, why: str) -> None:
+    """Refuse, before any work, an option whose optional package is not installed."""
+    if importlib.util.find_spec(module) is None:
+        raise QllamaError(f"{why} needs {module}: pip install 'qllama[{extra}]'")
 
 
 def add_chat_arg(s: argparse.ArgumentParser) -> None:
@@ -72,8 +92,10 @@ __all__ = [
     "add_backend_args",
     "add_chat_arg",
     "add_json_arg",
+    "announce",
     "backend_options",
     "chat_ids",
     "prompt_ids",
+    "require_module",
     "write_json",
 ]

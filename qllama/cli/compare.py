@@ -10,6 +10,7 @@ from qllama.cli.common import (
     add_backend_args,
     add_chat_arg,
     add_json_arg,
+    announce,
     backend_options,
     chat_ids,
     write_json,
@@ -43,8 +44,17 @@ def _never(x: int | None) -> str:
     return "none" if x is None else str(x)
 
 
-def _yes(flag: bool) -> str:
-    return "yes" if flag else "no"
+def _reference_label(reference: str | None, model: str) -> str:
+    """What the reference is: an .npz, a float GGUF, or a quantized one run dequantize-all
+    (then labelled so, never as an f32 model)."""
+    from qllama.measure.reference import quantized_types
+
+    path = reference or model
+    if path.endswith(".npz"):
+        return path
+    quantized = sorted(quantized_types(path))
+    kind = f"quantized ({', '.join(quantized)}), " if quantized else ""
+    return f"{path} ({kind}dequantize-all on numpy)"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -53,8 +63,9 @@ def run(args: argparse.Namespace) -> int:
     from qllama.runtime.loader import load
 
     model = load(args.model, **backend_options(args))
+    announce(model.backend)
     prompt = chat_ids(model, args.prompt) if args.chat else model.tokenizer.encode(args.prompt)
-    source = args.reference or f"{args.model} (dequantize-all, numpy)"
+    source = _reference_label(args.reference, args.model)
     if args.reference and args.reference.endswith(".npz"):
         ref = compare.Reference.load(args.reference)
         if ref.tokens[: ref.n_prompt] != list(prompt):
@@ -64,7 +75,10 @@ def run(args: argparse.Namespace) -> int:
         ref = compare.reference_from_model(ref_model, prompt, max_new_tokens=args.max_new_tokens)
     cont = ref.continuation
     eos = bool(cont) and cont[-1] in model.tokenizer.stop_ids
-    print(f"reference: {source}; prompt {ref.n_prompt} tokens, {len(cont)} new (EOS: {_yes(eos)})")
+    print(
+        f"reference: {source}: the prompt ({ref.n_prompt} tokens) and its greedy continuation "
+        f"({len(cont)} tokens{', ending at EOS' if eos else ''})"
+    )
     tf = compare.teacher_forcing(model, ref, mode=args.mode)
     s = tf.summary()
     print(f"last position: max|Δlogit| = {s['step0_max_abs']:.4g}")
@@ -78,15 +92,18 @@ def run(args: argparse.Namespace) -> int:
         print(f"  differing steps (reference margin): {flips}")
     kl = tf.kl
     print(
-        f"  KL: mean {kl.mean_kld:.3e} ± {kl.mean_kld_unc:.1e}, same top {100 * kl.same_top:.1f}%, "
-        f"RMS Δp {100 * kl.rms_dp:.3f}%"
+        f"  KL: mean {metrics.plus_minus(kl.mean_kld, kl.mean_kld_unc, kl.n)}, same top "
+        f"{100 * kl.same_top:.1f}%, RMS Δp {100 * kl.rms_dp:.3f}%"
     )
     free = compare.free_generation(model, ref)
     at = free.fork
-    print(
-        f"free generation: {'fork at token ' + str(at) if at is not None else 'no fork'} "
-        f"(length {len(free.tokens)}, EOS {'yes' if free.eos else 'no'})"
+    fork = (
+        "no fork: every new token is the reference's"
+        if at is None
+        else f"forks at new token {at} (counted from 0: the first that is not the reference's)"
     )
+    ended = "at EOS" if free.eos else f"at its cap, the reference's length + {compare.FREE_EXTRA}"
+    print(f"free generation: {fork}; {len(free.tokens)} new tokens, ended {ended}")
     if at is not None:
         c = free.context
         print(f"  ...{c['prefix']!r} | reference: {c['reference']!r} | own: {c['own']!r}")

@@ -9,6 +9,7 @@ from qllama.cli.common import (
     Subparsers,
     add_backend_args,
     add_chat_arg,
+    announce,
     backend_options,
     chat_ids,
 )
@@ -33,12 +34,17 @@ def add_parser(sub: Subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Stream the continuation piece by piece as it is decoded."""
+    from qllama.runtime.generation import Generation, stream
     from qllama.runtime.loader import load
 
     model = load(args.file, n_ctx=args.ctx, **backend_options(args))
+    announce(model.backend)
     prompt: str | list[int] = chat_ids(model, args.prompt) if args.chat else args.prompt
-    for piece in model.stream(
+    out = Generation(prompt_ids=[])
+    for piece in stream(
+        model,
         prompt,
+        out,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_k=args.top_k,
@@ -49,4 +55,12 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
+    used = len(out.prompt_ids) + len(out.ids)
+    if out.finish_reason == "length" and used >= model.n_ctx:
+        print(
+            f"stopped at the end of the context ({model.n_ctx} positions) after {len(out.ids)} "
+            f"new tokens (the prompt has {len(out.prompt_ids)}), before --max-new-tokens; "
+            "--ctx sets a longer context",
+            file=sys.stderr,
+        )
     return 0

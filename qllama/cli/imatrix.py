@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from qllama.cli.common import Subparsers, add_backend_args, backend_options
+from qllama.cli.common import Subparsers, add_backend_args, announce, backend_options
 
 
 def add_parser(sub: Subparsers) -> None:
@@ -47,10 +47,12 @@ def run(args: argparse.Namespace) -> int:
 
     options = backend_options(args)
     name = options.pop("backend")
+    backend = get_backend(name, **options)
+    announce(backend)
     m = from_corpus(
         args.model,
         text,
-        backend=get_backend(name, **options),
+        backend=backend,
         n_ctx=args.ctx,
         n_chunks=args.chunks,
         skip_chunks=args.chunk,

@@ -32,6 +32,15 @@ def _short(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def _enum_name(key: str, value: Any) -> str | None:
+    """The name of an enum key's value (``general.file_type`` 15 is ``Q4_K_M``), if it is one."""
+    from qllama.ggml_types import file_type_name
+
+    if key != "general.file_type" or not isinstance(value, int | np.integer):
+        return None
+    return file_type_name(value)
+
+
 def _json_value(value: Any) -> Any:
     if isinstance(value, np.ndarray):
         return value.tolist()
@@ -66,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
                     "type": v.type.name,
                     "elem_type": v.elem_type.name if v.elem_type else None,
                     "value": _json_value(v.value),
+                    **({"name": name} if (name := _enum_name(k, v.value)) else {}),
                 }
                 for k, v in f.kv.items()
             },
@@ -96,7 +106,9 @@ def run(args: argparse.Namespace) -> int:
     print("\nmetadata:")
     width = max((len(k) for k in f.kv), default=0)
     for k, v in f.kv.items():
-        print(f"  {k:<{width}}  {_type_label(v):<14} {_short(v.value)}")
+        name = _enum_name(k, v.value)
+        shown = f"{_short(v.value)} ({name})" if name else _short(v.value)
+        print(f"  {k:<{width}}  {_type_label(v):<14} {shown}")
     print("\ntensors (shape in numpy order, rows last; ne is its reverse):")
     print(f"  {'name':<32} {'type':<6} {'shape':<16} {'bytes':>12}")
     for t in f:

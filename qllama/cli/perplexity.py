@@ -13,6 +13,7 @@ from qllama.cli.common import (
     add_backend_args,
     add_json_arg,
     backend_options,
+    require_module,
     write_json,
 )
 
@@ -53,7 +54,16 @@ def add_parser(sub: Subparsers) -> None:
     add_json_arg(s)
     s.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     add_backend_args(s)
-    s.set_defaults(run=run)
+    s.set_defaults(run=run, check=check)
+
+
+def check(args: argparse.Namespace) -> None:
+    """Before any work: the reference's transformers, and that it reads a float file."""
+    if args.transformers:
+        from qllama.measure.reference import check_reference_file
+
+        require_module("transformers", "reference", "--transformers")
+        check_reference_file(args.file)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -68,9 +78,16 @@ def run(args: argparse.Namespace) -> int:
     compared = bool(args.kl_divergence_base)
 
     def on_start(wins: perplexity.Windows, setting: dict[str, Any]) -> None:
+        from qllama.version import __version__
+
+        options = ", ".join(
+            f"{k} {v}" for k, v in setting.items() if k in ("kv_precision", "activation_rounding")
+        )
+        computes = setting.get("computes", setting["engine"])
         print(
+            f"qllama {__version__}, {computes}{'; ' + options if options else ''}\n"
             f"{os.path.basename(args.file)}: {wins.n_chunk} windows of {wins.n_ctx} tokens, "
-            f"{wins.n_chunk * wins.n_scored} scored; {setting}",
+            f"{wins.n_chunk * wins.n_scored} scored",
             file=sys.stderr,
         )
         total = wins.n_chunk * wins.n_ctx

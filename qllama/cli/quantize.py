@@ -26,15 +26,42 @@ def add_parser(sub: Subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Quantize, each tensor on stderr as it goes, and say what was written."""
-    from qllama.gguf.quantizer import quantize_file
+    from qllama.ggml_types import file_type_name
+    from qllama.gguf.quantizer import file_type, plan_with_fallbacks, quantize_file
+    from qllama.gguf.reader import read_gguf
+    from qllama.version import __version__
+
+    with read_gguf(args.input) as f:
+        _, fallbacks = plan_with_fallbacks(f, args.type, imatrix=args.imatrix is not None)
+        source = file_type_name(
+            f.kv["general.file_type"].value if "general.file_type" in f.kv else None
+        )
+        print(
+            f"qllama {__version__}: {args.input} ({source}) to {file_type(args.type).label} "
+            "by llama-quantize's rules, "
+            f"{'with' if args.imatrix else 'without'} an importance matrix",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def fallback_note(t: Any) -> str:
+        chosen, written = fallbacks[t.name]
+        return (
+            f"rows of {t.ne[0]} are not a multiple of {chosen.name}'s {chosen.block.block_size}: "
+            f"fallback {written.name}"
+        )
 
     def progress(i: int, n: int, t: Any, new: Any) -> None:
         if not args.quiet:
+            note = f"  ({fallback_note(t)})" if t.name in fallbacks else ""
+            line = f"[{i + 1:>4}/{n}] {t.name:<32} {t.ggml_type.name:>5} -> {new.name:<5}{note}"
             print(
-                f"[{i + 1:>4}/{n}] {t.name:<32} {t.ggml_type.name:>5} -> {new.name:<5}",
+                line.rstrip(),
                 file=sys.stderr,
                 flush=True,
             )
+        elif t.name in fallbacks:  # quiet: the fallbacks still, one line each
+            print(f"{t.name}: {fallback_note(t)}", file=sys.stderr, flush=True)
 
     result = quantize_file(
         args.input, args.output, args.type, imatrix=args.imatrix, progress=progress
@@ -44,6 +71,12 @@ def run(args: argparse.Namespace) -> int:
         f"wrote {result.path}: {result.file_type.label}, {counts}; "
         f"tensor data {result.bytes_in / 2**20:.1f} MiB -> {result.bytes_out / 2**20:.1f} MiB"
     )
+    if fallbacks:
+        print(
+            f"{len(fallbacks)} of {len(result.types)} tensors fell back to another type "
+            "(their rows do not divide into the chosen type's blocks), as llama-quantize does",
+            file=sys.stderr,
+        )
     if result.without_imatrix:
         print(
             f"{len(result.without_imatrix)} tensor(s) had no importance matrix entry and were "

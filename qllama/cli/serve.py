@@ -7,7 +7,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from qllama.cli.common import Subparsers, add_backend_args, backend_options
+from qllama.cli.common import Subparsers, add_backend_args, announce, backend_options
 from qllama.errors import QllamaError
 
 
@@ -88,6 +88,9 @@ def run(args: argparse.Namespace) -> int:
         app = serve.create_app(registry, limits=limits, api_key=key, load_defaults=options)
         host, port = sock.getsockname()[:2]
         names = ", ".join(registry.names())
+        for entry in registry.entries():
+            if entry.model is not None:
+                announce(entry.model.backend, f"qllama serve: {entry.name}")
         print(f"qllama serve: {names} on http://{host}:{port}", file=sys.stderr, flush=True)
         serve.serve_forever(app, sock, log_level=args.log_level)
     finally:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from qllama.cli.common import Subparsers
+from qllama.cli.common import Subparsers, require_module
 
 
 def add_parser(sub: Subparsers) -> None:
@@ -33,7 +33,13 @@ def add_parser(sub: Subparsers) -> None:
     s.add_argument("--force", action="store_true", help="rerun cells even if cached")
     s.add_argument("--report-only", action="store_true", help="rebuild the report from the cache")
     s.add_argument("--references-only", action="store_true", help="only compute the references")
-    s.set_defaults(run=run)
+    s.set_defaults(run=run, check=check)
+
+
+def check(args: argparse.Namespace) -> None:
+    """Before any work: the executor's package."""
+    if args.action == "run" and args.executor == "dask":
+        require_module("distributed", "dask", "--executor dask")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -6,7 +6,16 @@ import argparse
 import sys
 from typing import Any
 
-from qllama.cli.common import Subparsers, add_chat_arg, add_json_arg, prompt_ids, write_json
+from qllama.cli.common import (
+    Subparsers,
+    add_chat_arg,
+    add_json_arg,
+    prompt_ids,
+    require_module,
+    write_json,
+)
+
+DEFAULT_SETTINGS = ("cpu", "gpu", "dequantize-all")
 
 
 def add_parser(sub: Subparsers) -> None:
@@ -27,7 +36,9 @@ def add_parser(sub: Subparsers) -> None:
     s.add_argument(
         "--setting",
         action="append",
-        help="cpu | gpu | dequantize-all | f32 (repeatable; default cpu, gpu, dequantize-all)",
+        help="cpu | gpu | dequantize-all | f32 (repeatable; default: "
+        + ", ".join(DEFAULT_SETTINGS)
+        + ")",
     )
     s.add_argument("--qkv", action="store_true", help="also compare Q, K and V")
     s.add_argument(
@@ -35,7 +46,22 @@ def add_parser(sub: Subparsers) -> None:
     )
     s.add_argument("--plot", help="write the error-against-layer plot here (PNG)")
     add_json_arg(s)
-    s.set_defaults(run=run)
+    s.set_defaults(run=run, check=check)
+
+
+def check(args: argparse.Namespace) -> None:
+    """Before any work: the reference (a float GGUF), the settings, the plot's matplotlib
+    and the torch a setting needs."""
+    from qllama.measure.reference import check_reference_file
+    from qllama.runtime.arithmetic import setting
+
+    require_module("transformers", "reference", "the reference (transformers on --reference)")
+    check_reference_file(args.reference)
+    for name in args.setting or DEFAULT_SETTINGS:
+        if setting(name).backend == "torch":
+            require_module("torch", "torch", f"the {name} setting")
+    if args.plot:
+        require_module("matplotlib", "plot", "--plot")
 
 
 def _transformers_tokens(
@@ -57,7 +83,12 @@ def run(args: argparse.Namespace) -> int:
     """Trace the reference once, then each setting against it; print the table."""
     from qllama.measure.reference import transformers_trace
     from qllama.measure.trace import layer_trace, positions_from_text
+    from qllama.runtime.arithmetic import setting
+    from qllama.version import __version__
 
+    settings = args.setting or DEFAULT_SETTINGS
+    each = "; ".join(f"{n} ({setting(n).backend}: {setting(n).about})" for n in settings)
+    print(f"qllama {__version__}, settings: {each}", file=sys.stderr, flush=True)
     prompt, stops = prompt_ids(args.file, args.prompt, args.chat)
     print(f"reference: transformers on {args.reference} ...", file=sys.stderr, flush=True)
     hf, tokens = _transformers_tokens(args.reference, prompt, stops, args.max_new_tokens)
@@ -67,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
         args.file,
         args.reference,
         tokens,
-        settings=args.setting or ("cpu", "gpu", "dequantize-all"),
+        settings=settings,
         qkv=args.qkv,
         band_factor=args.band_factor,
         reference=ref,
@@ -78,9 +109,9 @@ def run(args: argparse.Namespace) -> int:
         f"({len(prompt)} prompt), {len(ref.positions)} positions compared\n"
     )
     print(report.format())
-    if args.plot:
-        report.plot(args.plot)
-        print(f"wrote {args.plot}")
-    if args.json:
+    if args.json:  # first: a plot that fails loses no number
         write_json(args.json, {"tokens": tokens, **report.to_dict()})
+    if args.plot:
+        report.plot(args.plot, prompt=args.prompt)
+        print(f"wrote {args.plot}")
     return 0

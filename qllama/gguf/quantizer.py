@@ -508,6 +508,8 @@ class TypeChooser:
     imatrix: bool = False
     i_attention_wv: int = 0
     counters: dict[Role, int] = field(default_factory=dict)
+    # tensors whose chosen type does not divide their rows: name -> (chosen, fallback)
+    fallbacks: dict[str, tuple[GGMLType, GGMLType]] = field(default_factory=dict)
 
     @property
     def default(self) -> GGMLType:
@@ -520,7 +522,10 @@ class TypeChooser:
         if new.block.block_size == 1:  # F32 / F16 / BF16 files: no mixture, no fallback
             return new
         new = self._by_role(new, t)
-        return self._fallback(new, t)
+        got = self._fallback(new, t)
+        if got != new:
+            self.fallbacks[t.name] = (new, got)
+        return got
 
     def _facts(self, new: GGMLType, i: int, n: int) -> Facts:
         return Facts(new, self.model, i, n, self.imatrix)
@@ -631,6 +636,14 @@ def plan(f: GGUFFile, ftype: str | FileType, *, imatrix: bool = False) -> dict[s
     """The type of every tensor of ``f`` in the quantized file, in llama.cpp's write order.
     ``imatrix``: whether the file is quantized with an importance matrix (some rules depend
     on it)."""
+    return plan_with_fallbacks(f, ftype, imatrix=imatrix)[0]
+
+
+def plan_with_fallbacks(
+    f: GGUFFile, ftype: str | FileType, *, imatrix: bool = False
+) -> tuple[dict[str, GGMLType], dict[str, tuple[GGMLType, GGMLType]]]:
+    """:func:`plan`, and the tensors whose rows the chosen type cannot divide: name ->
+    (the type chosen, the fallback written), what llama-quantize reports per tensor."""
     ft = file_type(ftype)
     names = visit_order(list(f.tensors))
     chooser = TypeChooser(
@@ -640,7 +653,8 @@ def plan(f: GGUFFile, ftype: str | FileType, *, imatrix: bool = False) -> dict[s
         n_attention_wv=sum(Role.of(n).is_attn_v for n in names),
         imatrix=imatrix,
     )
-    return {n: chooser.choose(f.tensors[n]) for n in names}
+    types = {n: chooser.choose(f.tensors[n]) for n in names}
+    return types, chooser.fallbacks
 
 
 def requires_imatrix(name: str, new: GGMLType, ftype: FileType) -> bool:
@@ -742,6 +756,8 @@ class QuantizeResult:
     bytes_out: int
     counts: dict[str, int] = field(default_factory=dict)
     without_imatrix: list[str] = field(default_factory=list)  # quantized without an entry
+    # rows not a multiple of the chosen type's block: name -> (chosen, written)
+    fallbacks: dict[str, tuple[GGMLType, GGMLType]] = field(default_factory=dict)
 
 
 def quantize_file(
@@ -767,7 +783,7 @@ def quantize_file(
         if isinstance(imatrix, str | os.PathLike)
         else imatrix
     )
-    types = plan(f, ft, imatrix=im is not None)
+    types, fallbacks = plan_with_fallbacks(f, ft, imatrix=im is not None)
     missing: list[str] = []
     arch = f.architecture
     for name, new in types.items():
@@ -836,6 +852,7 @@ def quantize_file(
         bytes_out=sum(new.nbytes(f.tensors[n].n_elements) for n, new in types.items()),
         counts=counts,
         without_imatrix=missing,
+        fallbacks=fallbacks,
     )
 
 

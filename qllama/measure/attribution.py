@@ -176,6 +176,35 @@ class Attribution:
         ]
         return "\n".join(lines)
 
+    def plot(self, path: str | os.PathLike[str], top: int = 30) -> None:
+        """The ranked groups' excess mean KLD as horizontal bars (the ``top`` largest), the
+        whole's excess and the sum of the parts as lines: a PNG, written atomically."""
+        from qllama.measure.figures import pyplot, save
+
+        plt = pyplot()
+        parts = self.ranked()[:top]
+        excess = [self.excess(p.measure)[0] for p in parts]
+        fig, ax = plt.subplots(figsize=(8, 1.2 + 0.28 * len(parts)))
+        y = list(range(len(parts)))
+        ax.barh(y, excess, color=["C0" if e >= 0 else "C3" for e in excess])
+        ax.set_yticks(y, [p.group for p in parts], fontsize=7)
+        ax.invert_yaxis()  # the largest on top
+        ax.axvline(self.excess(self.whole)[0], color="k", lw=1, label="whole (all on)")
+        ax.axvline(self.sum_of_parts()[0], color="k", ls="--", lw=1, label="sum of the parts")
+        ax.axvline(0, color="0.6", lw=0.6)
+        n = len(self.parts)
+        shown = f" (the {len(parts)} largest of {n})" if len(parts) < n else ""
+        cause = "q8 activations" if self.kind == "activations" else "the file's weights"
+        ax.set_title(
+            f"{os.path.basename(self.file)}: {cause} for one {self.by} at a time, the rest "
+            f"{self.arithmetic} arithmetic; {self.steps} steps{shown}",
+            fontsize=8,
+        )
+        ax.set_xlabel("excess mean KL divergence over the baseline (all off)")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        save(fig, path)
+
 
 def matmul_weights(path: str | os.PathLike[str]) -> tuple[list[str], bool]:
     """The file's 2-D weights the model uses, and whether its output is tied to the embedding."""

@@ -205,7 +205,10 @@ def fork_context(
     }
 
 
-def free_generation(model: Any, ref: Reference, *, extra: int = 20) -> FreeGeneration:
+FREE_EXTRA = 20  # free generation may run this many tokens past the reference's length
+
+
+def free_generation(model: Any, ref: Reference, *, extra: int = FREE_EXTRA) -> FreeGeneration:
     """Greedy decoding from the reference prompt, capped at the reference length + ``extra``."""
     gen = model.generate(ref.tokens[: ref.n_prompt], max_new_tokens=len(ref.continuation) + extra)
     at = fork(gen.ids, ref.continuation)

@@ -63,10 +63,18 @@ def top_k(logits: np.ndarray, k: int = 3) -> list[tuple[int, float]]:
     return [(int(i), float(row[i])) for i in idx]
 
 
+# llama.cpp computes no standard error of a mean of this many values or fewer (it prints 0)
+MIN_UNCERTAINTY = 10
+UNCERTAINTY_NOTE = (
+    f"± 0 below {MIN_UNCERTAINTY + 1} values: the uncertainty is not computed there "
+    "(as llama-perplexity)"
+)
+
+
 def uncertainty(x: np.ndarray) -> float:
     """llama.cpp's standard error of a mean: 0 for ten values or fewer."""
     n = x.size
-    if n <= 10:
+    if n <= MIN_UNCERTAINTY:
         return 0.0
     return float(np.sqrt(max(np.mean(x * x) - np.mean(x) ** 2, 0.0) / (n - 1)))
 
@@ -124,7 +132,7 @@ def token_values(
 def covariance(a: np.ndarray, b: np.ndarray) -> float:
     """llama.cpp's covariance of two means: ``(E[ab] - E[a]E[b]) / (n - 1)``, 0 below ten."""
     n = a.size
-    if n < 10:
+    if n < MIN_UNCERTAINTY:
         return 0.0
     return float((np.mean(a * b) - np.mean(a) * np.mean(b)) / (n - 1))
 
@@ -251,9 +259,19 @@ def _percent_label(f: float) -> str:
     return f"{f:4.1f}%"
 
 
+def plus_minus(value: float, unc: float, n: int, fmt: str = ".3e") -> str:
+    """``value ± unc``, or ``value (± not computed: n values)`` where llama.cpp's rule
+    computes no uncertainty, so that a 0 is never read as a measured one."""
+    if n <= MIN_UNCERTAINTY:
+        return f"{value:{fmt}} (± not computed: {n} values)"
+    return f"{value:{fmt}} ± {unc:.1e}"
+
+
 def format_kl_stats(s: KLStats) -> str:
-    """The statistics as llama-perplexity prints them, line for line."""
-    lines = [
+    """The statistics as llama-perplexity prints them, line for line (and, below 11
+    positions, a line saying that its ± 0 are not measured)."""
+    lines = [] if s.n > MIN_UNCERTAINTY else [f"{s.n} positions: {UNCERTAINTY_NOTE}", ""]
+    lines += [
         "====== Perplexity statistics ======",
         f"Mean PPL(Q)                   : {s.ppl_test:10.6f} ± {s.ppl_test_unc:10.6f}",
         f"Mean PPL(base)                : {s.ppl_ref:10.6f} ± {s.ppl_ref_unc:10.6f}",

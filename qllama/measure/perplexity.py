@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from qllama.array_api import to_numpy
+from qllama.backends.base import describe
 from qllama.errors import QllamaError
 from qllama.measure import metrics
 from qllama.measure.kld_base import BaseFile, BaseFileError, BaseWriter, scored
@@ -410,7 +411,8 @@ def evaluate(
 
     setting: dict[str, Any]
     if file is None:  # the model given loaded
-        scorer, setting = qllama_scorer(model), {"engine": "qllama"}
+        scorer = qllama_scorer(model)
+        setting = {"engine": "qllama", "computes": describe(model.backend)}
     elif engine == "transformers":
         from qllama.measure.reference import load_transformers
 
@@ -426,8 +428,10 @@ def evaluate(
             opts["kv_precision"] = kv_precision
         if threads:
             opts["threads"] = threads
-        scorer = qllama_scorer(load(file, n_ctx=n_ctx, **opts))
+        loaded = load(file, n_ctx=n_ctx, **opts)
+        scorer = qllama_scorer(loaded)
         setting = {"engine": "qllama", **{k: v for k, v in opts.items() if v is not None}}
+        setting["computes"] = describe(loaded.backend)
     if on_start is not None:
         on_start(wins, setting)
 

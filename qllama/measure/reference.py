@@ -12,6 +12,7 @@ Needs the ``reference`` extra (torch, transformers, accelerate, gguf).
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ import numpy as np
 
 from qllama import quants
 from qllama.errors import QllamaError
+from qllama.ggml_types import GGMLType
 from qllama.gguf.reader import read_gguf
 from qllama.measure.compare import Reference
 from qllama.runtime.observe import Trace
@@ -29,8 +31,37 @@ class ReferenceError(QllamaError):
     """The reference model is not the float32 model it must be."""
 
 
+# what a reference may hold: a float model (transformers widens F16/BF16 to float32 exactly)
+REFERENCE_TYPES = frozenset({GGMLType.F32, GGMLType.F16, GGMLType.BF16})
+
+
+def quantized_types(path: str | os.PathLike[str]) -> Counter[str]:
+    """The file's tensor types that are not a reference's (F32, F16, BF16), with counts."""
+    with read_gguf(path) as f:
+        return Counter(
+            t.ggml_type.name for t in f.tensors.values() if t.ggml_type not in REFERENCE_TYPES
+        )
+
+
+def check_reference_file(path: str | os.PathLike[str]) -> None:
+    """Refuse a reference that is missing, not GGUF, or holds quantized weights: a quantized
+    file run in float32 is another quantized model, not the f32 control."""
+    path = Path(path)
+    if not path.is_file():
+        raise ReferenceError(f"the reference {path} does not exist (or is not a file)")
+    quantized = quantized_types(path)
+    if quantized:
+        found = ", ".join(f"{n} {k}" for k, n in quantized.most_common())
+        raise ReferenceError(
+            f"the reference {path} holds quantized tensors ({found}): a reference is an F32, "
+            "F16 or BF16 file (qllama quantize FILE OUT F32 widens one, but the result is that "
+            "quantized model, not the original)"
+        )
+
+
 def load_transformers(path: str | os.PathLike[str]) -> Any:
     """The GGUF file as a transformers model: float32, eager attention, CPU, checked."""
+    check_reference_file(path)
     import torch
     from transformers import AutoModelForCausalLM
 

@@ -42,6 +42,7 @@ from qllama.runtime.observe import (
 DEFAULT_SETTINGS = ("cpu", "gpu", "dequantize-all")
 BAND_FACTOR = 10.0  # rounding errors of two float32 orders differ by a small factor, not 10x
 BAND_FLOOR = 2.0**-24  # one float32 rounding, relative
+MARKERS = ("o", "s", "^", "D", "v", "x")  # one per setting in a plot
 Progress = Callable[[str], Any]  # a message per step
 
 
@@ -189,40 +190,53 @@ class TraceReport:
         )
         return "\n".join(lines)
 
-    def plot(self, path: str | os.PathLike[str]) -> None:
+    def plot(self, path: str | os.PathLike[str], prompt: str = "") -> None:
         """Relative L2 error of the residual stream against layer, one line per setting, the
-        F32 controls dashed (a PNG, written atomically)."""
-        try:
-            import matplotlib
-        except ImportError:
-            raise QllamaError("plotting needs matplotlib: pip install 'qllama[plot]'") from None
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        F32 controls dashed (a PNG, written atomically). Curves that coincide (the GPU
+        arithmetic and dequantize-all often do) keep distinct markers, larger under smaller,
+        and say whose they equal in the legend. ``prompt`` goes under the title."""
+        from qllama.measure.figures import pyplot, save
 
-        from qllama.atomic import atomic_write
-
-        fig, ax = plt.subplots(figsize=(10, 4.5))
+        fig, ax = pyplot().subplots(figsize=(10, 4.5))
+        drawn: list[tuple[str, np.ndarray]] = []  # (label, curve) already on the axes
         for k, st in enumerate(self.settings.values()):
-            color = f"C{k}"
+            color, marker = f"C{k}", MARKERS[k % len(MARKERS)]
             x = np.arange(len(st.residual))
+            size = max(3.0, 9.0 - 2.0 * k)  # later settings smaller: one drawn over another shows
             # exact values (0) sit on the floor of one float32 rounding: a log axis has no 0
-            ours = np.maximum(st.curve(), BAND_FLOOR)
-            control = np.maximum(st.curve(control=True), BAND_FLOOR)
-            ax.plot(x, ours, color=color, marker=".", label=st.setting)
-            ax.plot(x, control, color=color, ls="--", lw=0.8, label=f"{st.setting}: F32 control")
+            for label, curve, style in (
+                (st.setting, np.maximum(st.curve(), BAND_FLOOR), {"lw": 1.2}),
+                (
+                    f"{st.setting}: F32 control",
+                    np.maximum(st.curve(control=True), BAND_FLOOR),
+                    {"ls": "--", "lw": 0.8},
+                ),
+            ):
+                same = next((n for n, c in drawn if np.array_equal(c, curve)), None)
+                shown = f"{label} (= {same})" if same else label
+                ax.plot(
+                    x, curve, color=color, marker=marker, ms=size, mfc="none", label=shown, **style
+                )
+                drawn.append((label, curve))
         first = next(iter(self.settings.values()))
         labels = ["emb", *(str(i) for i in range(len(first.residual) - 2)), "logits"]
         ax.set_xticks(np.arange(len(labels)), labels, fontsize=7)
         ax.set_yscale("log")
         ax.set_xlabel("residual stream after layer")
         ax.set_ylabel("relative L2 error vs reference (floor 2^-24)")
-        ax.set_title(f"{os.path.basename(self.file)}: {len(self.positions)} positions")
+        title = (
+            f"{os.path.basename(self.file)} against transformers on "
+            f"{os.path.basename(self.reference)}: {self.n_tokens} tokens, "
+            f"{len(self.positions)} positions compared"
+        )
+        if prompt:
+            short = prompt if len(prompt) <= 80 else prompt[:77] + "..."
+            title += f"\nprompt: {short!r}"
+        ax.set_title(title, fontsize=9)
         ax.legend(fontsize=7, ncol=2)
         ax.grid(True, which="both", alpha=0.3)
         fig.tight_layout()
-        with atomic_write(path) as f:
-            fig.savefig(f, format="png", dpi=120)
-        plt.close(fig)
+        save(fig, path, dpi=120)
 
 
 def positions_from_text(text: str, n_tokens: int, n_prompt: int) -> list[int] | None:

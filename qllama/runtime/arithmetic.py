@@ -36,13 +36,20 @@ array_api_strict  no      yes     yes
 from __future__ import annotations
 
 import fnmatch
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from qllama import defaults
 from qllama.backends import get_backend
-from qllama.backends.base import Backend, QuantTensor, attention_bytes, attention_scores
+from qllama.backends.base import (
+    Backend,
+    QuantTensor,
+    attention_bytes,
+    attention_scores,
+    describe,
+)
 from qllama.errors import BackendError
 from qllama.ggml_types import GGMLType
 
@@ -151,6 +158,13 @@ class PolicyBackend:
 
     def attention_scores(self, q: Any, k: Any) -> Any:
         return attention_scores(self._first, q, k)
+
+    def describe(self) -> str:
+        """The policy as counts of tensors per arithmetic, then each backend's line."""
+        counts = Counter(self.routes.values())
+        split = ", ".join(f"{a} for {n} tensors" for a, n in counts.most_common())
+        each = "; ".join(f"{a}: {describe(b)}" for a, b in self.backends.items())
+        return f"per-tensor arithmetic ({split}); {each}"
 
     def supports(self, ggml_type: GGMLType) -> bool:
         return any(b.supports(ggml_type) for b in self.backends.values())

@@ -9,6 +9,7 @@ is NaN or infinite.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import warnings
 from collections.abc import Mapping
@@ -19,7 +20,7 @@ import numpy as np
 from qllama import quants
 from qllama.backends import get_backend
 from qllama.backends.base import Backend, QuantTensor
-from qllama.errors import ModelConfigError, TensorShapeError, WeightValueError
+from qllama.errors import BackendError, ModelConfigError, TensorShapeError, WeightValueError
 from qllama.gguf.overlay import overlay
 from qllama.gguf.reader import GGUFFile, TensorInfo, read_gguf
 from qllama.runtime.architectures import Tensor
@@ -148,6 +149,49 @@ def load(
     except BaseException:
         f.close()  # all or nothing: a refused file leaves no map open
         raise
+
+
+# the devices a backend may name (each backend says at load which of them it has here)
+DEVICE_KINDS = ("cpu", "cuda", "mps", "gpu")
+
+
+def check_options(backend: str, options: Mapping[str, Any]) -> None:
+    """Refuse, without a file, what ``load(path, backend=backend, **options)`` would refuse
+    about the options: an unknown backend or option, a value out of its range, a device that
+    is no kind of device. (Whether the device exists is the machine's business, checked at
+    load.) A backend whose package is not installed here has its own options checked where
+    it runs."""
+    from qllama.backends import BUILTIN, available
+    from qllama.runtime.arithmetic import as_policy
+    from qllama.runtime.kv_cache import PRECISIONS
+
+    if backend not in available():
+        raise BackendError(f"unknown backend {backend!r}; available: {', '.join(available())}")
+    opts = dict(options)
+    device = opts.pop("device", None)
+    if device is not None and str(device).split(":")[0] not in DEVICE_KINDS:
+        raise BackendError(f"device {device!r} is none of {', '.join(DEVICE_KINDS)}")
+    kv = opts.pop("kv_precision", "f32")
+    if kv not in PRECISIONS:
+        raise BackendError(f"kv_precision must be one of {', '.join(PRECISIONS)}, not {kv!r}")
+    n_ctx = opts.pop("n_ctx", None)
+    if n_ctx is not None and (not isinstance(n_ctx, int) or isinstance(n_ctx, bool) or n_ctx < 1):
+        raise BackendError(f"n_ctx must be a positive integer, not {n_ctx!r}")
+    for flag in ("dequantize_all", "check_weights", "trace_nonfinite"):
+        if not isinstance(opts.get(flag, False), bool):
+            raise BackendError(f"{flag} must be true or false, not {opts[flag]!r}")
+    for name in ("check_weights", "trace_nonfinite", "weights_from"):
+        opts.pop(name, None)
+    package = BUILTIN.get(backend, ("", backend))[1]
+    if importlib.util.find_spec(package) is None:
+        return
+    policy = opts.pop("arithmetic", None)
+    if policy is not None:  # its backends are built per tensor at load; here, one of each
+        rules = as_policy(policy)
+        for arithmetic in dict.fromkeys(rules.values()):
+            policy_backend(backend, {"*": arithmetic}, ["w"], **opts)
+        return
+    get_backend(backend, **opts)
 
 
 def _build(

@@ -18,22 +18,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from qllama.backends.base import Backend
+from qllama.backends.base import arithmetic
 from qllama.ggml_types import FileType
 from qllama.model_files import sha256_file
 from qllama.runtime.loader import load
 from qllama.runtime.model import Model
 from qllama.serve.errors import APIError, not_found
-
-
-def arithmetic(backend: Backend) -> str:
-    """The study's name for what a backend computes (docs/architecture.md): ``cpu`` where
-    activations are quantized before integer dot products (the numpy backend's default),
-    ``dequantize-all`` where every weight was widened at load, else ``gpu`` (float
-    activations times weights dequantized inside each matmul)."""
-    if backend.dequantize_all:
-        return "dequantize-all"
-    return "cpu" if getattr(backend, "activations", None) == "q8" else "gpu"
 
 
 @dataclass(frozen=True)

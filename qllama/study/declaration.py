@@ -11,6 +11,8 @@ example.
 from __future__ import annotations
 
 import fnmatch
+import json
+import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
@@ -280,6 +282,9 @@ def check(study: Study) -> None:
             raise StudyError(f"setting {s.name!r}: engine must be one of {ENGINES}")
         _known(s.prompts, declared, f"setting {s.name!r}", "prompt")
         _known(s.variants, variants, f"setting {s.name!r}", "variant")
+        _options(s.engine, s.backend, s.options, f"setting {s.name!r}")
+    for v in study.variants:
+        _file_type(v)
     ref = study.reference
     if ref.kind not in REFERENCE_KINDS:
         raise StudyError(f"reference kind must be one of {REFERENCE_KINDS}, not {ref.kind!r}")
@@ -299,6 +304,13 @@ def check(study: Study) -> None:
             raise StudyError(f"draw {d.name!r}: engine must be one of {ENGINES}")
         if d.reference_env and ref.kind == "saved":
             raise StudyError(f"draw {d.name!r}: a saved reference cannot be recomputed")
+        for s in study.settings:
+            if d.options and s.name in d.settings:
+                engine = d.engine or s.engine
+                where = f"draw {d.name!r} (on setting {s.name!r})"
+                _options(engine, s.backend, {**s.options, **d.options}, where)
+    if ref.kind == "qllama":
+        _options("qllama", ref.backend, ref.options, "reference")
     for a, b in study.cross:
         _known((a,), settings, "cross pair", "setting")
         if b != "reference":
@@ -319,6 +331,30 @@ def check(study: Study) -> None:
             raise StudyError(f"variant {v.name!r}: imatrix_chunks is a positive count of a corpus")
         if v.imatrix_skip_chunks and (not v.imatrix_corpus or v.imatrix_skip_chunks < 0):
             raise StudyError(f"variant {v.name!r}: imatrix_skip_chunks is a count of a corpus")
+
+
+def _options(engine: str, backend: str, options: Mapping[str, Any], where: str) -> None:
+    """A qllama setting's backend and options, checked as ``qllama.load`` would check them
+    (a llama.cpp setting's go to llama-cpp-python, which checks them where it runs)."""
+    if engine != "qllama":
+        return
+    from qllama.errors import BackendError
+    from qllama.runtime.loader import check_options
+
+    try:
+        check_options(backend, options)
+    except BackendError as e:
+        raise StudyError(f"{where}: {e}") from None
+
+
+def _file_type(v: Variant) -> None:
+    from qllama.gguf.quantizer import FILE_TYPES
+
+    if v.type != "source" and v.type.upper() not in FILE_TYPES:
+        raise StudyError(
+            f"variant {v.name!r}: type {v.type!r} is not a file type qllama's quantizer makes "
+            f"(nor 'source'); known: {', '.join(FILE_TYPES)}"
+        )
 
 
 def _measure_cells(study: Study) -> None:
@@ -542,11 +578,68 @@ def _variant(kw: dict[str, Any], folder: Path) -> Variant:
     return Variant(**kw)
 
 
+def toml_inline(options: Mapping[str, Any]) -> str:
+    """Options as a declaration writes them: ``activations = "f32", dequantize_all = true``."""
+
+    def value(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, Mapping):
+            return "{ " + toml_inline(v) + " }"
+        return json.dumps(v)
+
+    return ", ".join(f"{k} = {value(v)}" for k, v in options.items())
+
+
+# how check() and from_dict() name a place: "setting 'cpu': ..." or "[[setting]] #2: ..."
+_NAMED = re.compile(r"^(variant|setting|prompt|draw|finding|compare) '([^']*)'")
+_NUMBERED = re.compile(r"^\[\[(\w+)\]\] #(\d+)")
+
+
+def toml_line(text: str, message: str) -> int | None:
+    """The line of the study's TOML that an error ``message`` is about: in the table the
+    message names, the line of the last key it names (a key of an inline table too), else the
+    table's header (None: no table found)."""
+    lines = text.splitlines()
+    place = _NAMED.match(message) or _NUMBERED.match(message)
+    if place is None:  # a top-level key: the line that sets the key it quotes
+        for word in re.findall(r"'(\w+)'", message):
+            j = next((j for j, line in enumerate(lines) if re.match(rf"{word}\s*=", line)), None)
+            if j is not None:
+                return j + 1
+        return None
+    header = f"[[{place.group(1)}]]"
+    starts = [i for i, line in enumerate(lines) if line.strip() == header]
+    ends = [*starts[1:], len(lines)]
+    blocks = [
+        range(a, next((j for j in range(a + 1, b) if lines[j].lstrip().startswith("[")), b))
+        for a, b in zip(starts, ends, strict=True)
+    ]
+    if place.re is _NUMBERED:
+        k = int(place.group(2)) - 1
+        block = blocks[k] if 0 <= k < len(blocks) else None
+    else:
+        name = re.compile(rf"^\s*(name|type)\s*=\s*[\"']{re.escape(place.group(2))}[\"']")
+        block = next((b for b in blocks if any(name.match(lines[j]) for j in b)), None)
+    if block is None:
+        return None
+    # the key an error is about is the last one it names before the alternatives it lists
+    rest = re.split(r"known:|available:|one of|it takes", message[place.end() :])[0]
+    for word in reversed(re.findall(r"\w+", rest)):
+        key = re.compile(rf"(^|[\s{{,]){re.escape(word)}\s*=")
+        for j in block:
+            if key.search(lines[j]):
+                return j + 1
+    return block.start + 1
+
+
 def load_study(path: str | Path) -> Study:
-    """Read a study from a TOML file."""
+    """Read a study from a TOML file, every key checked (an error names the file and the
+    line it is about)."""
     path = Path(path)
     try:
-        doc = tomllib.loads(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
+        doc = tomllib.loads(text)
     except OSError as e:
         raise StudyError(f"cannot read the study {path}: {e.strerror or e}") from None
     except tomllib.TOMLDecodeError as e:
@@ -557,6 +650,9 @@ def load_study(path: str | Path) -> Study:
         return from_dict(doc, folder=path.parent)
     except TypeError as e:
         raise StudyError(f"{path}: {e}") from None
+    except StudyError as e:
+        line = toml_line(text, str(e))
+        raise StudyError(f"{path}{f':{line}' if line else ''}: {e}") from None
 
 
 def with_prompts(study: Study, names: Sequence[str]) -> Study:

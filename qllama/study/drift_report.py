@@ -222,4 +222,4 @@ def section_layer_trace(
 def plot_traces(reports: Mapping[str, TraceReport], prompt: str, folder: Path) -> None:
     """``plots/{prompt}-layers-{variant}.png``: error against layer, a line per setting."""
     for v, r in reports.items():
-        r.plot(folder / f"{prompt}-layers-{v}.png")
+        r.plot(folder / f"{prompt}-layers-{v}.png", prompt=prompt)

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from qllama.atomic import atomic_write
+from qllama.measure.figures import pyplot, save
 from qllama.study import drift_report
 from qllama.study.collect import Collected, PromptResults
 from qllama.study.results import TeacherForcing
@@ -35,11 +35,7 @@ def plots(data: Collected, folder: Path) -> None:
             drift_report.plot_traces(reports, p, folder)
     if "teacher_forcing" not in data.study["measures"]:
         return
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: no display where the report is built
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     folder.mkdir(parents=True, exist_ok=True)
     variants, settings = list(data.study["variants"]), list(data.study["settings"])
     for p, entry in data.prompts.items():
@@ -117,14 +113,18 @@ def _summary_plot(data: Collected, folder: Path, plt: Any) -> None:
     ax.set_xticks(range(len(prompts)), prompts, fontsize=7)
     ax.set_yscale("log")
     ax.set_ylabel("median per-step max |Δlogit|")
-    ax.set_title("Teacher forcing by prompt (bars: the band over the draws)", fontsize=9)
+    draws = sorted({d for e in data.prompts.values() for d in e.draws})
+    ax.set_title(summary_title(draws), fontsize=9)
     ax.legend(fontsize=6, ncol=4)
     _save(fig, folder / "summary.png")
 
 
-def _save(fig: Any, path: Path) -> None:
-    import matplotlib.pyplot as plt
+def summary_title(draws: list[str]) -> str:
+    """The summary plot's title: what its bars are, or that there are none."""
+    if not draws:
+        return "Teacher forcing by prompt (no draws: no bands)"
+    return f"Teacher forcing by prompt (bars: the band over the draws {', '.join(draws)})"
 
-    with atomic_write(path) as f:
-        fig.savefig(f, format="png", dpi=80, bbox_inches="tight")
-    plt.close(fig)
+
+def _save(fig: Any, path: Path) -> None:
+    save(fig, path, dpi=80, bbox_inches="tight")

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from qllama.measure.compare import Reference
-from qllama.study.declaration import Prompt, ReferenceSpec, StudyError
+from qllama.study.declaration import Prompt, ReferenceSpec, StudyError, toml_inline
 from qllama.study.variants import VariantFile
 from qllama.version import __version__
 
@@ -198,7 +198,9 @@ def provenance(task: ReferenceTask) -> dict[str, Any]:
     about = {
         "transformers": "transformers AutoModelForCausalLM, gguf_file=, float32, eager, CPU, "
         "greedy",
-        "qllama": f"qllama {task.spec.backend} {dict(task.spec.options)}, greedy",
+        "qllama": f"qllama on {task.spec.backend}"
+        + (f" with {toml_inline(task.spec.options)}" if task.spec.options else "")
+        + ", greedy",
         "saved": f"saved: {task.spec.paths.get(task.prompt.name, '')}",
     }[task.spec.kind]
     return {

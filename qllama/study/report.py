@@ -20,6 +20,7 @@ from typing import Any
 from qllama.atomic import atomic_write
 from qllama.study import corpus_report, drift_report
 from qllama.study.collect import Collected, measure_options, to_json
+from qllama.study.declaration import toml_inline
 from qllama.study.plots import plots
 from qllama.study.results import Measures, encode
 
@@ -444,7 +445,8 @@ def tables(data: Collected, outcomes: Sequence[Any]) -> str:
         "**Settings**: "
         + "; ".join(
             f"**{n}** = `{x['backend'] if x['engine'] == 'qllama' else x['engine']}`"
-            f"{': ' + x['about'] if x['about'] else ''}"
+            + (f" with `{toml_inline(x['options'])}`" if x["options"] else "")
+            + (f": {x['about']}" if x["about"] else "")
             for n, x in study["settings"].items()
         )
         + ".\n",
@@ -454,7 +456,8 @@ def tables(data: Collected, outcomes: Sequence[Any]) -> str:
             "**Draws** (deliberate perturbations of float order; every cell they rerun is "
             "reported with its band): "
             + "; ".join(
-                f"**{n}**: {d['about'] or d['env'] or d['reference_env']}"
+                f"**{n}**: "
+                + (d["about"] or toml_inline({**d["env"], **d["reference_env"], **d["options"]}))
                 for n, d in study["draws"].items()
             )
             + ".\n"

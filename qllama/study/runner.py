@@ -312,10 +312,21 @@ def run(study: Study, options: Options) -> int:
     """The whole study; 0 when every asserted finding holds, 1 when one fails or a cell
     failed, and the report (``options.docs``) written when every cell has a result."""
     from qllama.study import collect, findings, report
+    from qllama.study.declaration import toml_inline
+    from qllama.version import __version__
 
     t0 = time.perf_counter()
     all_cells = product(study)
     chosen = select(all_cells, options.patterns)
+    settings = "; ".join(
+        f"{s.name} = {s.backend if s.engine == 'qllama' else s.engine}"
+        + (f" with {toml_inline(s.options)}" if s.options else "")
+        for s in study.settings
+    )
+    _say(
+        f"qllama {__version__}, study {study.name}: {len(chosen)} cells, {study.threads} "
+        f"thread(s) each, executor {options.executor}; settings: {settings}"
+    )
     pool = (
         Local()
         if options.report_only

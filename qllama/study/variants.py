@@ -53,10 +53,22 @@ def file_sha256(path: str | os.PathLike[str]) -> str:
     return digest
 
 
+def _all_f32(path: Path) -> bool:
+    """Whether every tensor of the file is F32 (its F32 variant is the file itself)."""
+    from qllama.ggml_types import GGMLType
+    from qllama.gguf.reader import read_gguf
+
+    with read_gguf(path) as f:
+        return all(t.ggml_type == GGMLType.F32 for t in f.tensors.values())
+
+
 def _from_path(source: Path, label: str, cache: str | os.PathLike[str] | None) -> Path:
-    """``source`` as file type ``label``: F32 dequantized from it, the rest from that F32."""
+    """``source`` as file type ``label``: F32 dequantized from it, the rest from that F32. An
+    F32 source is its own F32 variant: used in place, not copied into the cache."""
     from qllama.model_files import quantized_once
 
+    if label == "F32" and _all_f32(source):
+        return source
     origin = source if label == "F32" else _from_path(source, "F32", cache)
     folder = defaults.cache_dir(cache) / "study-variants" / file_sha256(source)[:16]
     path = folder / f"{source.stem}.{label}.gguf"
