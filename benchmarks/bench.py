@@ -360,6 +360,9 @@ def main(argv: list[str] | None = None) -> int:
         with atomic_write(args.json, "w") as f:
             json.dump({"info": info, "results": raw}, f, indent=1)
     print(f"wrote {args.out}")
+    if args.only is None:  # qllama.hf against generate's loop, and loading: transformers_bench.md
+        hf = [sys.executable, str(HERE / "hf_generate.py"), "--threads", str(args.threads)]
+        subprocess.run(hf + (["--quick"] if args.quick else []), check=False)
     return 0
 
 

@@ -8,8 +8,13 @@ two kinds of process run the same greedy decode of the study's chat prompt, inte
 (qllama, transformers, qllama, ...) so that both see the same machine load:
 
 - **qllama**: ``qllama.runtime.generation.generate_ids``, qllama's own loop;
-- **generate**: ``QllamaForCausalLM.generate`` (transformers' loop: its logits processors,
-  stopping criteria and cache bookkeeping around the same ``Model.forward`` calls).
+- **generate**: the model loaded by the drop-in ``qllama.hf.AutoModelForCausalLM
+  .from_pretrained`` and decoded by its ``generate`` (transformers' loop: its logits
+  processors, stopping criteria and cache bookkeeping around the same ``Model.forward`` calls).
+
+Then benchmarks/hf_load.py's section (``--no-load`` skips it): load time and peak RSS of the
+drop-in against transformers' own ``gguf_file=`` and llama-cpp-python on the Q4_K_M and Q8_0
+files.
 
 Per token is the time between consecutive new tokens after the first (the prefill is not
 in it), the median over the runs. Both kinds import torch, transformers and qllama.hf before
@@ -61,7 +66,7 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
     import transformers
 
     import qllama
-    from qllama.hf import QllamaForCausalLM
+    from qllama.hf import AutoModelForCausalLM
     from qllama.runtime.generation import Sampler, generate_ids
 
     torch.set_num_threads(job["threads"])
@@ -82,7 +87,10 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
             stamps.append(time.perf_counter())  # no stop ids: exactly n tokens
             new.append(token)
     else:
-        model = QllamaForCausalLM.from_gguf(job["file"], **options)
+        # the drop-in takes n_threads (llama-cpp-python's name) for the numpy backend's threads
+        if "threads" in options:
+            options["n_threads"] = options.pop("threads")
+        model = AutoModelForCausalLM.from_pretrained(job["file"], **options)
         prompt = model.llm.apply_chat_template(MESSAGES)
         model.generation_config.eos_token_id = None  # n tokens, as the loop above
 
@@ -149,9 +157,10 @@ def report(results: dict[str, dict[str, list[dict[str, Any]]]], info: dict[str, 
         f"Load average (1 min) before / after: {info['load_before']} / {info['load_after']}. "
         f"transformers {info['transformers']}, torch {info['torch']}.",
         "",
-        "| arithmetic | tokens | qllama ms/token | generate ms/token | generate / qllama "
-        "| qllama peak RSS MB | generate peak RSS MB | generate / qllama | same tokens |",
-        "|---|--:|--:|--:|--:|--:|--:|--:|---|",
+        "| arithmetic | tokens | qllama ms/token | generate ms/token | qllama tok/s "
+        "| generate tok/s | generate / qllama (time) | qllama peak RSS MB "
+        "| generate peak RSS MB | generate / qllama | same tokens |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|",
     ]
     verdicts = []
     for label, kinds in results.items():
@@ -164,7 +173,8 @@ def report(results: dict[str, dict[str, list[dict[str, Any]]]], info: dict[str, 
         if ok["qllama"] and ok["generate"]:
             same = "yes" if ok["qllama"][0]["tokens"] == ok["generate"][0]["tokens"] else "**no**"
         n = len((ok["qllama"] or ok["generate"] or [{"tokens": []}])[0]["tokens"])
-        times = f"{fmt(q_ms, '{:.2f}')} | {fmt(g_ms, '{:.2f}')} | {fmt(t, '{:.3f}x')}"
+        rates = f"{fmt(ratio(1e3, q_ms), '{:.1f}')} | {fmt(ratio(1e3, g_ms), '{:.1f}')}"
+        times = f"{fmt(q_ms, '{:.2f}')} | {fmt(g_ms, '{:.2f}')} | {rates} | {fmt(t, '{:.3f}x')}"
         out.append(
             f"| {label} | {n} | {times} "
             f"| {fmt(q_rss, '{:.0f}')} | {fmt(g_rss, '{:.0f}')} | {fmt(m, '{:.3f}x')} | {same} |"
@@ -199,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
         "--quick", action="store_true", help="1 run of each kind, a quarter of the tokens"
     )
     p.add_argument("--out", default=str(HERE.parent / "docs" / "transformers_bench.md"))
+    p.add_argument("--no-load", action="store_true", help="skip hf_load.py's section")
+    p.add_argument("--load-files", default="Q4_K_M,Q8_0", help="hf_load.py's files")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -240,6 +252,11 @@ def main(argv: list[str] | None = None) -> int:
                 info.setdefault("import_rss_mb", got.get("import_rss_mb"))
     info["load_after"] = f"{os.getloadavg()[0]:.2f}" if hasattr(os, "getloadavg") else "-"
     text = report(results, info)
+    if not args.no_load:
+        import hf_load
+
+        files = args.load_files.split(",")
+        text += "\n" + hf_load.run_section(files, args.threads, repeats, args.timeout)
     with atomic_write(args.out, "w") as f:
         f.write(text)
     print(text)

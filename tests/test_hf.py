@@ -29,12 +29,10 @@ import qllama  # noqa: E402
 from qllama.array_api import to_numpy  # noqa: E402
 from qllama.errors import UnsupportedOptionError  # noqa: E402
 from qllama.hf import (  # noqa: E402
-    TRANSFORMERS_RANGE,
     QllamaCache,
     QllamaConfig,
     QllamaForCausalLM,
     QllamaTokenizer,
-    check_transformers_version,
 )
 from qllama.hf.cache import RowsLayer  # noqa: E402
 from qllama.hf.model import CACHE_FIELD  # noqa: E402
@@ -400,7 +398,9 @@ def test_prefill_in_chunks(
     # asked for one, for its own models too; later releases always do
     chunked = dict(prefill_chunk_size=5, cache_implementation="dynamic")
     got = hf_greedy(q8, PROMPT, 4, min_new_tokens=4, **chunked)
-    assert [len(ids) for ids, _, _ in calls[:3]] == [5, 5, 2]
+    # transformers 4.57 leaves the prompt's last token to the first decoding step
+    last = 1 if transformers.__version__.startswith("4.") else 2
+    assert [len(ids) for ids, _, _ in calls[:3]] == [5, 5, last]
     at = replay(tiny, "numpy-q8", calls)
     seq = PROMPT + got
     assert all(seq[p] == int(np.argmax(at[p - 1])) for p in range(len(PROMPT), len(seq)))
@@ -625,14 +625,6 @@ def test_config_has_what_transformers_reads(q8: QllamaForCausalLM) -> None:
     assert c.max_position_embeddings == llm.n_ctx
     stops = c.eos_token_id if isinstance(c.eos_token_id, list) else [c.eos_token_id]
     assert set(stops) == set(llm.tokenizer.stop_ids)
-
-
-@pytest.mark.parametrize("version", ["4.57.6", "5.25.0", "6.0.0"])
-def test_versions_outside_the_range_are_refused(version: str) -> None:
-    with pytest.raises(ImportError, match=f"{TRANSFORMERS_RANGE[0]} to {TRANSFORMERS_RANGE[1]}"):
-        check_transformers_version(version)
-    check_transformers_version(TRANSFORMERS_RANGE[0])
-    check_transformers_version(TRANSFORMERS_RANGE[1])
 
 
 # --- the real model -----------------------------------------------------------------------------

@@ -69,6 +69,8 @@ class QllamaForCausalLM(PreTrainedModel, GenerationMixin):
     config_class = QllamaConfig
     base_model_prefix = "qllama"
     main_input_name = "input_ids"
+    # what each from_pretrained keyword did, in words (qllama.hf.loading.plan)
+    load_notes: tuple[str, ...] = ()
 
     def __init__(self, config: QllamaConfig, llm: Model | None = None) -> None:
         super().__init__(config)
@@ -121,17 +123,22 @@ class QllamaForCausalLM(PreTrainedModel, GenerationMixin):
 
     @classmethod
     def from_pretrained(cls, path: Any, *args: Any, gguf_file: str | None = None, **options: Any):  # type: ignore[override]
-        """A GGUF file (``path``, or ``gguf_file`` inside the folder ``path``): :meth:`from_gguf`.
-        There are no transformers checkpoints of this model to load."""
+        """A GGUF file (``path``, or ``gguf_file`` inside the folder or Hub repository
+        ``path``), with the keywords of :func:`qllama.hf.AutoModelForCausalLM.from_pretrained`
+        (transformers', llama-cpp-python's and qllama's; :mod:`qllama.hf.loading`). There are
+        no transformers checkpoints of this model to load."""
+        from qllama.hf.loading import gguf_target, load_model
+
         if args:
             raise UnsupportedOptionError("QllamaForCausalLM.from_pretrained takes keywords only")
-        target = os.path.join(path, gguf_file) if gguf_file else os.fspath(path)
-        if not str(target).endswith(".gguf") or not os.path.isfile(target):
+        target = gguf_target(path, gguf_file)
+        if target is None:
             raise UnsupportedOptionError(
-                f"{target!r} is not a GGUF file: QllamaForCausalLM loads GGUF files only "
-                "(QllamaForCausalLM.from_gguf(path, ...))"
+                f"{os.fspath(path)!r} is not a GGUF file: QllamaForCausalLM loads GGUF files only "
+                "(a .gguf path, or a folder with gguf_file=)"
             )
-        return cls.from_gguf(target, **options)
+        model: QllamaForCausalLM = load_model(target, options, cls)
+        return model
 
     # -- refusals: what would silently do the wrong thing ------------------------------------
 

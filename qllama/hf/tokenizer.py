@@ -27,7 +27,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizer
 
-from qllama.errors import ChatTemplateError, UnsupportedOptionError
+from qllama.errors import ChatTemplateError, TokenizerError, UnsupportedOptionError
 from qllama.runtime.chat_template import ChatTemplate
 from qllama.runtime.tokenizer import Tokenizer
 
@@ -109,7 +109,10 @@ class QllamaTokenizer(PreTrainedTokenizer):
 
         with read_gguf(path) as f:
             template = f.get("tokenizer.chat_template")
+            context = f.get(f"{f.get('general.architecture')}.context_length")
             tok = Tokenizer.from_gguf(f)
+        if isinstance(context, int):
+            kwargs.setdefault("model_max_length", context)
         return cls(tok, template if isinstance(template, str) else None, **kwargs)
 
     # -- the vocabulary -----------------------------------------------------------------------
@@ -147,6 +150,37 @@ class QllamaTokenizer(PreTrainedTokenizer):
             ids = self.build_inputs_with_special_tokens(ids)
         return [self.qllama.tokens[i] for i in ids]
 
+    def build_inputs_with_special_tokens(
+        self, token_ids_0: list[int], token_ids_1: list[int] | None = None
+    ) -> list[int]:
+        """BOS and EOS as the file says (``tokenizer.ggml.add_bos_token`` /
+        ``add_eos_token``): transformers 5's ``special_tokens_pattern`` rules, spelled out so
+        that transformers 4.57 (which has no such pattern) adds the same ones."""
+        bos = [self.bos_token_id] if self.qllama.vocab.add_bos else []
+        eos = [self.eos_token_id] if self.qllama.vocab.add_eos else []
+        if None in bos + eos:
+            raise TokenizerError("the file asks for BOS/EOS tokens it does not define")
+        if token_ids_1 is None:
+            return bos + token_ids_0 + eos
+        second = bos + token_ids_1 if bos and not eos else token_ids_1 + eos
+        return bos + token_ids_0 + eos + second
+
+    def get_special_tokens_mask(
+        self,
+        token_ids_0: list[int],
+        token_ids_1: list[int] | None = None,
+        already_has_special_tokens: bool = False,
+    ) -> list[int]:
+        """1 where :meth:`build_inputs_with_special_tokens` adds a token, 0 elsewhere."""
+        if already_has_special_tokens:
+            return super().get_special_tokens_mask(token_ids_0, token_ids_1, True)
+        marked = self.build_inputs_with_special_tokens([-1] * len(token_ids_0), None)
+        if token_ids_1 is not None:
+            marked = self.build_inputs_with_special_tokens(
+                [-1] * len(token_ids_0), [-1] * len(token_ids_1)
+            )
+        return [0 if i == -1 else 1 for i in marked]
+
     def _encode_plus(self, text: Any, text_pair: Any = None, **kwargs: Any) -> Any:  # type: ignore[override]
         # a string becomes qllama's ids here; transformers then treats them as pre-encoded
         # input (special tokens, truncation, padding, tensors; batches come back one by one).
@@ -162,6 +196,27 @@ class QllamaTokenizer(PreTrainedTokenizer):
             text_pair = self._ids(text_pair, kwargs) or text_pair
         kwargs.pop("split_special_tokens", None)
         return super()._encode_plus(text, text_pair, **kwargs)
+
+    def _batch_encode_plus(self, batch_text_or_text_pairs: Any, *args: Any, **kwargs: Any) -> Any:
+        # transformers 4.57's batch path (transformers 5 sends each text through
+        # _encode_plus): it would map token texts back to ids, which loses the id of a text
+        # the vocabulary repeats, and drop split_special_tokens; so texts become qllama's
+        # ids here, each item a (first, second) pair as that path reads them
+        if kwargs.get("is_split_into_words"):
+            return super()._batch_encode_plus(batch_text_or_text_pairs, *args, **kwargs)  # type: ignore[misc]
+        split = kwargs.get("split_special_tokens", self.split_special_tokens)
+
+        def ids(text: Any) -> Any:
+            if isinstance(text, str):
+                return self._ids(text, {"split_special_tokens": split}) or text
+            return text
+
+        items = []
+        for item in batch_text_or_text_pairs:
+            pair = isinstance(item, list | tuple) and len(item) == 2
+            pair = pair and not isinstance(item[0], int)
+            items.append((ids(item[0]), ids(item[1])) if pair else (ids(item), None))
+        return super()._batch_encode_plus(items, *args, **kwargs)  # type: ignore[misc]
 
     # -- decoding -------------------------------------------------------------------------------
 
@@ -236,10 +291,12 @@ class QllamaTokenizer(PreTrainedTokenizer):
             texts.append(self._continue(text, messages) if continue_final_message else text)
         if not tokenize:
             return texts if batched else texts[0]
-        ids = [self.qllama.encode(t, add_bos=False, add_eos=False, special=True) for t in texts]
+        # the rendered text through qllama's encoding, special tokens recognised (the
+        # template writes them); transformers packs the ids (padding, tensors)
         out = self(
-            ids if batched else ids[0],
+            texts if batched else texts[0],
             add_special_tokens=False,
+            split_special_tokens=False,
             padding=padding,
             truncation=truncation,
             max_length=max_length,
