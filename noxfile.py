@@ -112,6 +112,17 @@ def experiments(session: nox.Session) -> None:
     session.run("qllama", "study", "run", SEED, "--docs", "docs", *session.posargs)
 
 
+@nox.session
+def ladder(session: nox.Session) -> None:
+    """SmolLM2's quant ladder (`qllama ladder`, docs/choosing.md): every file type qllama's
+    quantizer makes, with and without an importance matrix, over the corpus and two prompts,
+    under the CPU arithmetic (its band: the avx2 and sse draws) and dequantize-all; into
+    docs/ladder/. Arguments after -- go to qllama ladder (CI: three types, four windows)."""
+    session.install("-e", ".[plot]")
+    args = ["smollm2-135m-instruct", "--results", "results", "--out", "docs/ladder"]
+    session.run("qllama", "ladder", *args, *session.posargs)
+
+
 # llama.cpp for the peer sessions: built from the llama-cpp-python sdist for the CPU it runs on
 # (AVX-512 only where /proc/cpuinfo has avx512f, never AMX), cached per flags
 # (tools/llama_cpp_build.py).

@@ -8,8 +8,16 @@ import numpy as np
 import pytest
 
 from qllama import quants
-from qllama.errors import ModelConfigError, UnsupportedTensorTypeError
-from qllama.gguf.quantizer import FILE_TYPES, plan, quantize_file, use_more_bits, visit_order
+from qllama.errors import ModelConfigError, QllamaError, UnsupportedTensorTypeError
+from qllama.ggml_types import GGMLType
+from qllama.gguf.quantizer import (
+    FILE_TYPES,
+    Overrides,
+    plan,
+    quantize_file,
+    use_more_bits,
+    visit_order,
+)
 from qllama.gguf.reader import read_gguf
 from qllama.gguf.writer import GGUFWriter
 from qllama.synthetic import TinyConfig, write_tiny_llama
@@ -71,6 +79,46 @@ def test_q4_k_m_composition_is_smollm2s(smollm_like):
         assert types[f"blk.{i}.ffn_down.weight"].name == ("Q6_K" if i in more else "Q4_K")
         assert types[f"blk.{i}.attn_v.weight"].name == ("Q8_0" if i in more else "Q5_0")
     assert types["token_embd.weight"].name == "Q8_0"
+
+
+def test_tensor_type_overrides_replace_the_mixture(smollm_like):
+    """llama-quantize --tensor-type: the first pattern found in a name decides that tensor
+    (the shape fallback still applies), and the mixture's counters skip it: blk.0's attn_v
+    overridden, blk.1's is the mixture's first attn_v (i = 0: more bits), blk.2's its second."""
+    stock = plan(smollm_like, "Q4_K_M")
+    o = Overrides.parse([r"blk\.0\.attn_v=q4_k", "FFN_UP=Q5_K", "ffn_up=q8_0"])
+    types = plan(smollm_like, "Q4_K_M", overrides=o)
+    assert types["blk.0.attn_v.weight"] == GGMLType.Q5_0  # Q4_K, rows of 64: its fallback
+    assert {types[f"blk.{i}.ffn_up.weight"] for i in range(30)} == {GGMLType.Q5_1}  # Q5_K's
+    assert types["blk.1.attn_v.weight"] == stock["blk.0.attn_v.weight"] == GGMLType.Q8_0
+    assert types["blk.3.attn_v.weight"] == stock["blk.2.attn_v.weight"]
+    assert types["blk.0.ffn_down.weight"] == stock["blk.0.ffn_down.weight"]  # not named
+    assert o.as_arguments() == [
+        "--tensor-type",
+        r"blk\.0\.attn_v=q4_k",
+        "--tensor-type",
+        "ffn_up=q5_k",
+        "--tensor-type",
+        "ffn_up=q8_0",
+    ]
+
+
+def test_the_tables_types_and_pure(smollm_like):
+    o = Overrides.parse(token_embedding_type="q4_0", output_tensor_type="Q6_K")
+    assert plan(smollm_like, "Q4_K_M", overrides=o)["token_embd.weight"] == GGMLType.Q4_0
+    tied = Overrides.parse(output_tensor_type="q5_0")  # tied: token_embd is the output
+    assert plan(smollm_like, "Q4_K_M", overrides=tied)["token_embd.weight"] == GGMLType.Q5_0
+    pure = plan(smollm_like, "Q4_K_M", overrides=Overrides(pure=True))
+    assert {t for n, t in pure.items() if n.endswith("ffn_down.weight")} == {GGMLType.Q4_K}
+    # rows of 64 (token_embd too: --pure skips the output rule): Q4_K falls back to Q5_0
+    assert Counter(pure.values())[GGMLType.Q5_0] == 181
+    for bad, message in (
+        (["attn_v"], "give NAME=TYPE"),
+        (["attn_v=q9_9"], "'q9_9' is not a GGML type"),
+        (["(attn=q8_0"], "is no pattern"),
+    ):
+        with pytest.raises(QllamaError, match=message):
+            Overrides.parse(bad)
 
 
 @pytest.mark.parametrize(

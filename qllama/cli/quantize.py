@@ -21,18 +21,36 @@ def add_parser(sub: Subparsers) -> None:
     s.add_argument(
         "--imatrix", help="an importance matrix (GGUF or legacy .dat), as llama-quantize's"
     )
+    s.add_argument(
+        "--tensor-type",
+        action="append",
+        metavar="NAME=TYPE",
+        help="as llama-quantize: tensors whose name has the pattern NAME get TYPE (repeatable; "
+        "the first match wins)",
+    )
+    s.add_argument("--token-embedding-type", metavar="TYPE", help="token_embd's type")
+    s.add_argument("--output-tensor-type", metavar="TYPE", help="output.weight's type")
+    s.add_argument("--pure", action="store_true", help="no mixture: the file type's type")
     s.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     """Quantize, each tensor on stderr as it goes, and say what was written."""
     from qllama.ggml_types import file_type_name
-    from qllama.gguf.quantizer import file_type, plan_with_fallbacks, quantize_file
+    from qllama.gguf.quantizer import Overrides, file_type, plan_with_fallbacks, quantize_file
     from qllama.gguf.reader import read_gguf
     from qllama.version import __version__
 
+    overrides = Overrides.parse(
+        args.tensor_type or (),
+        token_embedding_type=args.token_embedding_type,
+        output_tensor_type=args.output_tensor_type,
+        pure=args.pure,
+    )
     with read_gguf(args.input) as f:
-        _, fallbacks = plan_with_fallbacks(f, args.type, imatrix=args.imatrix is not None)
+        _, fallbacks = plan_with_fallbacks(
+            f, args.type, imatrix=args.imatrix is not None, overrides=overrides
+        )
         source = file_type_name(
             f.kv["general.file_type"].value if "general.file_type" in f.kv else None
         )
@@ -64,7 +82,12 @@ def run(args: argparse.Namespace) -> int:
             print(f"{t.name}: {fallback_note(t)}", file=sys.stderr, flush=True)
 
     result = quantize_file(
-        args.input, args.output, args.type, imatrix=args.imatrix, progress=progress
+        args.input,
+        args.output,
+        args.type,
+        imatrix=args.imatrix,
+        progress=progress,
+        overrides=overrides,
     )
     counts = ", ".join(f"{n} {k}" for k, n in sorted(result.counts.items(), key=lambda kv: -kv[1]))
     print(

@@ -26,13 +26,18 @@ from __future__ import annotations
 import enum
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from qllama import quants
-from qllama.errors import ImatrixError, ModelConfigError, UnsupportedTensorTypeError
+from qllama.errors import (
+    ImatrixError,
+    ModelConfigError,
+    QllamaError,
+    UnsupportedTensorTypeError,
+)
 from qllama.ggml_types import FileType, GGMLType, ValueType
 from qllama.gguf.reader import GGUFFile, GGUFValue, TensorInfo, read_gguf
 from qllama.gguf.writer import GGUFWriter
@@ -497,6 +502,74 @@ FFN_GATE_UP: dict[FileType, Rule] = {
 }
 
 
+@dataclass(frozen=True)
+class Overrides:
+    """llama-quantize's choices over its mixture rules: ``--tensor-type NAME=TYPE`` (the
+    first pattern found in a tensor's name, by ``re.search``, replaces the mixture for it;
+    NAME lower-cased as llama-quantize does; the shape fallback still applies),
+    ``--token-embedding-type`` and ``--output-tensor-type`` (taken as they are, before any
+    other rule and without a fallback), and ``--pure`` (no mixture: the file type's type)."""
+
+    tensor_types: tuple[tuple[str, GGMLType], ...] = ()
+    token_embedding_type: GGMLType | None = None
+    output_tensor_type: GGMLType | None = None
+    pure: bool = False
+
+    @classmethod
+    def parse(
+        cls,
+        tensor_types: Sequence[str] = (),
+        *,
+        token_embedding_type: str | None = None,
+        output_tensor_type: str | None = None,
+        pure: bool = False,
+    ) -> Overrides:
+        """From llama-quantize's arguments: ``"attn_v=q8_0"``, ``"blk\\.1[0-9]\\.=Q4_K"``."""
+        pairs = []
+        for text in tensor_types:
+            name, eq, kind = text.partition("=")
+            if not eq or not name or not kind:
+                raise QllamaError(f"--tensor-type {text!r}: give NAME=TYPE (attn_v=q8_0)")
+            try:
+                re.compile(name.lower())
+            except re.error as e:
+                raise QllamaError(f"--tensor-type {text!r}: {name!r} is no pattern: {e}") from None
+            pairs.append((name.lower(), ggml_type_named(kind, f"--tensor-type {text!r}")))
+        return cls(
+            tuple(pairs),
+            ggml_type_named(token_embedding_type, "--token-embedding-type")
+            if token_embedding_type
+            else None,
+            ggml_type_named(output_tensor_type, "--output-tensor-type")
+            if output_tensor_type
+            else None,
+            pure,
+        )
+
+    def match(self, name: str) -> GGMLType | None:
+        """The type of the first ``--tensor-type`` pattern found in ``name``."""
+        return next((t for p, t in self.tensor_types if re.search(p, name)), None)
+
+    def as_arguments(self) -> list[str]:
+        """The llama-quantize arguments that make these choices."""
+        out = []
+        for p, t in self.tensor_types:
+            out += ["--tensor-type", f"{p}={t.name.lower()}"]
+        if self.token_embedding_type is not None:
+            out += ["--token-embedding-type", self.token_embedding_type.name.lower()]
+        if self.output_tensor_type is not None:
+            out += ["--output-tensor-type", self.output_tensor_type.name.lower()]
+        return out + (["--pure"] if self.pure else [])
+
+
+def ggml_type_named(name: str, where: str) -> GGMLType:
+    """A GGML type by llama.cpp's name, any case (``q4_k``, ``MXFP4``)."""
+    try:
+        return GGMLType[name.upper()]
+    except KeyError:
+        raise QllamaError(f"{where}: {name!r} is not a GGML type") from None
+
+
 @dataclass
 class TypeChooser:
     """llama_tensor_get_type for one file, with its per-role counters."""
@@ -510,6 +583,7 @@ class TypeChooser:
     counters: dict[Role, int] = field(default_factory=dict)
     # tensors whose chosen type does not divide their rows: name -> (chosen, fallback)
     fallbacks: dict[str, tuple[GGMLType, GGMLType]] = field(default_factory=dict)
+    overrides: Overrides = field(default_factory=Overrides)
 
     @property
     def default(self) -> GGMLType:
@@ -518,10 +592,22 @@ class TypeChooser:
     def choose(self, t: TensorInfo) -> GGMLType:
         if not allows_quantization(t, self.model.arch):
             return t.ggml_type
+        o, role = self.overrides, Role.of(t.name)
+        # the user's types for the two tables come first, as they are (no fallback); a
+        # --tensor-type that names per_layer_token_embd takes it from --token-embedding-type
+        if o.token_embedding_type is not None and role == Role.TOKEN_EMBD:
+            if t.name != "per_layer_token_embd.weight" or o.match(t.name) is None:
+                return o.token_embedding_type
+        if o.output_tensor_type is not None and role == Role.OUTPUT:
+            return o.output_tensor_type
         new = self.default
         if new.block.block_size == 1:  # F32 / F16 / BF16 files: no mixture, no fallback
             return new
-        new = self._by_role(new, t)
+        manual = o.match(t.name)
+        if manual is not None:  # replaces the mixture: no role's counter moves for it
+            new = manual
+        elif not o.pure:
+            new = self._by_role(new, t)
         got = self._fallback(new, t)
         if got != new:
             self.fallbacks[t.name] = (new, got)
@@ -553,6 +639,8 @@ class TypeChooser:
         if any(frag in name for frag in AT_LEAST_Q8_0_BY_ARCH.get(m.arch, ())):
             return T.Q8_0
         if role == Role.OUTPUT or (self.tied and role == Role.TOKEN_EMBD):
+            if self.overrides.output_tensor_type is not None:
+                return self.overrides.output_tensor_type
             if ft == FT.MOSTLY_MXFP4_MOE or m.falcon or t.ne[0] % new.block.block_size:
                 return T.Q8_0
             if ft in OUTPUT_Q5_K:
@@ -632,15 +720,25 @@ class TypeChooser:
         return new if ncols % new.block.block_size == 0 else T.F16
 
 
-def plan(f: GGUFFile, ftype: str | FileType, *, imatrix: bool = False) -> dict[str, GGMLType]:
+def plan(
+    f: GGUFFile,
+    ftype: str | FileType,
+    *,
+    imatrix: bool = False,
+    overrides: Overrides | None = None,
+) -> dict[str, GGMLType]:
     """The type of every tensor of ``f`` in the quantized file, in llama.cpp's write order.
     ``imatrix``: whether the file is quantized with an importance matrix (some rules depend
-    on it)."""
-    return plan_with_fallbacks(f, ftype, imatrix=imatrix)[0]
+    on it); ``overrides``: llama-quantize's ``--tensor-type`` and friends."""
+    return plan_with_fallbacks(f, ftype, imatrix=imatrix, overrides=overrides)[0]
 
 
 def plan_with_fallbacks(
-    f: GGUFFile, ftype: str | FileType, *, imatrix: bool = False
+    f: GGUFFile,
+    ftype: str | FileType,
+    *,
+    imatrix: bool = False,
+    overrides: Overrides | None = None,
 ) -> tuple[dict[str, GGMLType], dict[str, tuple[GGMLType, GGMLType]]]:
     """:func:`plan`, and the tensors whose rows the chosen type cannot divide: name ->
     (the type chosen, the fallback written), what llama-quantize reports per tensor."""
@@ -652,6 +750,7 @@ def plan_with_fallbacks(
         tied="output.weight" not in f.tensors,
         n_attention_wv=sum(Role.of(n).is_attn_v for n in names),
         imatrix=imatrix,
+        overrides=overrides or Overrides(),
     )
     types = {n: chooser.choose(f.tensors[n]) for n in names}
     return types, chooser.fallbacks
@@ -768,13 +867,16 @@ def quantize_file(
     imatrix: str | os.PathLike[str] | ImatrixInput | None = None,
     imatrix_name: str | None = None,
     progress: Callable[[int, int, TensorInfo, GGMLType], None] | None = None,
+    overrides: Overrides | None = None,
 ) -> QuantizeResult:
     """Write ``dst``: ``src`` quantized to file type ``ftype`` (``"Q8_0"``, ``"IQ4_XS"``...).
 
     ``imatrix`` is an importance matrix file (GGUF or legacy ``.dat``, as llama-quantize's
     ``--imatrix``) or an :class:`ImatrixInput`; the output records the file's path as given,
-    or ``imatrix_name``. ``progress(i, n, tensor, new_type)`` is
-    called before each tensor is converted. Nothing is written unless every check passes.
+    or ``imatrix_name``. ``overrides`` are llama-quantize's ``--tensor-type``,
+    ``--token-embedding-type``, ``--output-tensor-type`` and ``--pure``
+    (:class:`Overrides`). ``progress(i, n, tensor, new_type)`` is called before each tensor
+    is converted. Nothing is written unless every check passes.
     """
     f = src if isinstance(src, GGUFFile) else read_gguf(src)
     ft = file_type(ftype)
@@ -783,7 +885,7 @@ def quantize_file(
         if isinstance(imatrix, str | os.PathLike)
         else imatrix
     )
-    types, fallbacks = plan_with_fallbacks(f, ft, imatrix=im is not None)
+    types, fallbacks = plan_with_fallbacks(f, ft, imatrix=im is not None, overrides=overrides)
     missing: list[str] = []
     arch = f.architecture
     for name, new in types.items():

@@ -578,17 +578,81 @@ def _variant(kw: dict[str, Any], folder: Path) -> Variant:
     return Variant(**kw)
 
 
+def toml_value(v: Any) -> str:
+    """One TOML value: a string (JSON's escapes are TOML's), number, boolean, array or inline
+    table."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, Mapping):
+        return "{ " + toml_inline(v) + " }" if v else "{}"
+    if isinstance(v, list | tuple):
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    if isinstance(v, str | int | float):
+        return json.dumps(v)
+    raise StudyError(f"{v!r} has no TOML form")
+
+
 def toml_inline(options: Mapping[str, Any]) -> str:
     """Options as a declaration writes them: ``activations = "f32", dequantize_all = true``."""
+    return ", ".join(f"{k} = {toml_value(v)}" for k, v in options.items())
 
-    def value(v: Any) -> str:
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, Mapping):
-            return "{ " + toml_inline(v) + " }"
-        return json.dumps(v)
 
-    return ", ".join(f"{k} = {value(v)}" for k, v in options.items())
+# the TOML keys of the declaration's tables, where they differ from the fields' names
+_TOML_KEYS = {"asserted": "assert"}
+
+
+def _toml_fields(item: Any) -> list[str]:
+    """``key = value`` lines of a declaration's dataclass: the fields that differ from their
+    defaults."""
+    lines = []
+    for f in fields(item):
+        value = getattr(item, f.name)
+        default = f.default_factory() if callable(f.default_factory) else f.default
+        if (
+            f.name == "folder"
+            or value == default
+            or (f.name == "name" and value == getattr(item, "type", None))
+        ):
+            continue
+        if callable(value):
+            raise StudyError(f"{type(item).__name__} {f.name}: a callable has no TOML form")
+        lines.append(f"{_TOML_KEYS.get(f.name, f.name)} = {toml_value(value)}")
+    return lines
+
+
+def to_toml(study: Study) -> str:
+    """The declaration as TOML that :func:`load_study` reads back into the same study (its
+    findings' checks given as import paths)."""
+    out = [f"name = {toml_value(study.name)}", f"model = {toml_value(study.model)}"]
+    if study.title:
+        out.append(f"title = {toml_value(study.title)}")
+    out.append(f"threads = {study.threads}")
+    specs = [
+        m.name
+        if not m.options and not m.cells
+        else {
+            "name": m.name,
+            **{k: v for k, v in (("options", dict(m.options)), ("cells", list(m.cells))) if v},
+        }
+        for m in study.measures
+    ]
+    out.append("measures = [\n" + "".join(f"    {toml_value(m)},\n" for m in specs) + "]")
+    reference = _toml_fields(study.reference)
+    if reference:
+        out += ["", "[reference]", *reference]
+    for table, items in (
+        ("variant", study.variants),
+        ("setting", study.settings),
+        ("prompt", study.prompts),
+        ("draw", study.draws),
+        ("finding", study.findings),
+        ("compare", study.compare),
+    ):
+        for item in items:
+            out += ["", f"[[{table}]]", *_toml_fields(item)]
+    for a, b in study.cross:
+        out += ["", "[[cross]]", f"pair = {toml_value([a, b])}"]
+    return "\n".join(out) + "\n"
 
 
 # how check() and from_dict() name a place: "setting 'cpu': ..." or "[[setting]] #2: ..."

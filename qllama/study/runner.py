@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from qllama.measure.compare import Reference
+from qllama.study import collect
 from qllama.study.cache import CellCache, CellResult
 from qllama.study.cells import Cell, arithmetic, content_key, measure_specs, product, select
 from qllama.study.declaration import Draw, Study, StudyError
@@ -308,10 +309,9 @@ class Options:
     references_only: bool = False
 
 
-def run(study: Study, options: Options) -> int:
-    """The whole study; 0 when every asserted finding holds, 1 when one fails or a cell
-    failed, and the report (``options.docs``) written when every cell has a result."""
-    from qllama.study import collect, findings, report
+def execute(study: Study, options: Options) -> tuple[int, collect.Collected | None]:
+    """Build the files, compute the references and the cells not cached; then the cells'
+    results, collected (None, with the exit status, where a cell failed or has no result)."""
     from qllama.study.declaration import toml_inline
     from qllama.version import __version__
 
@@ -336,7 +336,7 @@ def run(study: Study, options: Options) -> int:
         plan = Plan(study, options.results, build_variants(study))
         plan_references(plan, pool.run, compute=not options.report_only)
         if options.references_only:
-            return 0
+            return 0, None
         plan_cells(plan, all_cells)
         chosen_ids = {c.id for c in chosen}
         subset = Plan(
@@ -360,12 +360,22 @@ def run(study: Study, options: Options) -> int:
     missing = [cid for cid, r in results.items() if r is None]
     if failed:
         _say(f"{len(failed)} cell(s) failed: {', '.join(failed)}")
-        return 1
+        return 1, None
     if missing:
         _say(f"{len(missing)} cell(s) have no result yet (e.g. {missing[0]}); the report waits")
-        return 0 if options.patterns else 1
+        return (0 if options.patterns else 1), None
     done = {cid: r for cid, r in results.items() if r is not None}
-    data = collect.collect(plan, done)
+    return 0, collect.collect(plan, done)
+
+
+def run(study: Study, options: Options) -> int:
+    """The whole study; 0 when every asserted finding holds, 1 when one fails or a cell
+    failed, and the report (``options.docs``) written when every cell has a result."""
+    from qllama.study import findings, report
+
+    status, data = execute(study, options)
+    if data is None:
+        return status
     outcomes = findings.evaluate(study, data)
     if options.docs is not None:
         report.write(data, outcomes, options.docs)
@@ -375,4 +385,4 @@ def run(study: Study, options: Options) -> int:
     return 1 if any(o.failed for o in outcomes if o.asserted) else 0
 
 
-__all__ = ["Options", "Plan", "run"]
+__all__ = ["Options", "Plan", "execute", "run"]

@@ -74,3 +74,34 @@ def test_legacy_imatrix_files_quantize_the_same(
     assert ours_or_refusal(f32_file, ours, label, dat)
     assert llama_quantize_tool(llama_tool, f32_file, theirs, label, dat)
     assert_same_file(ours, theirs, label)
+
+
+# llama-quantize's choices over its mixture: --tensor-type (its counters skip a named tensor),
+# the tables' types, --pure
+OVERRIDES = [
+    ([r"blk\.0\.attn_v=q4_k", "ffn_up=q5_k", r"blk\.1[0-9]\.ffn_down=q8_0"], {}),
+    ([], {"token_embedding_type": "q4_0", "output_tensor_type": "q6_k"}),
+    (["attn_q=iq4_nl"], {"pure": True}),
+]
+
+
+@pytest.mark.parametrize(("tensor_types", "options"), OVERRIDES)
+def test_same_file_as_llama_quantize_with_overrides(
+    f32_file, llama_tool, tmp_path, tensor_types, options
+):
+    from qllama.gguf.quantizer import Overrides, quantize_file
+
+    overrides = Overrides.parse(tensor_types, **options)
+    ours, theirs = tmp_path / "qllama.gguf", tmp_path / "llama.gguf"
+    quantize_file(f32_file, ours, "Q4_K_M", overrides=overrides)
+    run = llama_tool(
+        "llama-quantize",
+        *overrides.as_arguments(),
+        str(f32_file),
+        str(theirs),
+        "Q4_K_M",
+        "2",
+        timeout=3600,
+    )
+    assert run.returncode == 0, run.stderr
+    assert_same_file(ours, theirs, "Q4_K_M")
