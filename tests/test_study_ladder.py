@@ -90,10 +90,12 @@ def test_the_front_is_the_files_no_smaller_one_beats():
         Row("c", "c", False, 6.5, 1.0, {"cpu": _cell(1e-3)}),
         Row("c2", "c", True, 6.5, 1.0, {"cpu": _cell(5e-4)}),  # as large and better: c is off
         Row("d", "d", False, reason="needs an importance matrix (none asked for)"),
+        Row("e", "e", False, 7.0, 1.0, missing={"cpu": "no kernel here for its types"}),
     ]
     mark_front(table, ["cpu"])
     text = "\n".join(format_table(table, ["cpu"]))
-    assert [r.front["cpu"] for r in table] == [True, False, False, True, False]
+    assert [r.front["cpu"] for r in table] == [True, False, False, True, False, False]
+    assert "| e | 7.000 | 1.0 | not computed: no kernel here for its types |" in text
     assert "| d | skipped: needs an importance matrix" in text
     assert text.count("**\\***") == 2 and "never" in text
 

@@ -246,6 +246,7 @@ class Row:
     cells: dict[str, Cell] = field(default_factory=dict)  # by setting
     front: dict[str, bool] = field(default_factory=dict)  # on the Pareto front, by setting
     reason: str = ""
+    missing: dict[str, str] = field(default_factory=dict)  # a setting not run: why
 
 
 def bits_per_weight(path: str | os.PathLike[str]) -> tuple[float, float]:
@@ -298,6 +299,7 @@ def rows(study: Study, ladder: Sequence[Rung], data: Any, paths: Mapping[str, st
     """The ladder's rows from a study's collected results, sorted by bits per weight, the
     Pareto front (no smaller file with a lower mean KLD) marked per setting; the skipped
     types last."""
+    computes = {r.type: r.settings for r in ladder}
     out = []
     for v in study.variants:
         if v.name == "F32":
@@ -308,6 +310,10 @@ def rows(study: Study, ladder: Sequence[Rung], data: Any, paths: Mapping[str, st
             cell = _cell(f"{v.name}-{s.name}", data)
             if cell is not None:
                 row.cells[s.name] = cell
+            elif s.name not in computes.get(v.type, (s.name,)):
+                row.missing[s.name] = "no kernel here for its types"
+            else:
+                row.missing[s.name] = "not declared for this file"
         out.append(row)
     out.sort(key=lambda r: (r.bpw, r.name))
     mark_front(out, [s.name for s in study.settings])
@@ -362,7 +368,7 @@ def format_table(table: Sequence[Row], settings: Sequence[str]) -> list[str]:
         for s in settings:
             c = r.cells.get(s)
             if c is None:
-                cells += ["not computed"] + ["-"] * 8
+                cells += [f"not computed: {r.missing.get(s, 'no result')}"] + ["-"] * 8
                 continue
             fork = "never" if c.first_fork is None else str(c.first_fork)
             cells += [
