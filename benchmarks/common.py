@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -83,9 +84,16 @@ class Outcome:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def run_worker(job: dict[str, Any], python: str, threads: int, timeout: float) -> Outcome:
-    """Run one job in a fresh process; its last ``RESULT`` line is the outcome."""
-    cmd = [python, str(HERE / "bench.py"), "--worker", json.dumps(job)]
+def run_worker(
+    job: dict[str, Any],
+    python: str,
+    threads: int,
+    timeout: float,
+    script: Path = HERE / "bench.py",
+) -> Outcome:
+    """Run one job of ``script`` (``script --worker JOB``) in a fresh process; its last
+    ``RESULT`` line is the outcome."""
+    cmd = [python, str(script), "--worker", json.dumps(job)]
     t = time.perf_counter()
     try:
         run = subprocess.run(
@@ -106,6 +114,24 @@ def run_worker(job: dict[str, Any], python: str, threads: int, timeout: float) -
         reason = tail[-1] if tail else f"exit status {run.returncode}"
         return Outcome(error=reason[:300], seconds=seconds)
     return Outcome(result=json.loads(lines[-1][len("RESULT ") :]), seconds=seconds)
+
+
+def worker_result(job: dict[str, Any], timeout: float, script: str) -> dict[str, Any]:
+    """:func:`run_worker` of ``script`` with this interpreter and the job's threads, as the
+    result's dict, or ``{"error": why}``."""
+    out = run_worker(job, sys.executable, job["threads"], timeout, Path(script).resolve())
+    return out.result if out.result is not None else {"error": out.error}
+
+
+def fmt(x: float | None, spec: str = "{:.1f}") -> str:
+    """``x`` by ``spec``, or ``-`` where there is no number."""
+    return "-" if x is None else spec.format(x)
+
+
+def median_of(runs: list[dict[str, Any]], key: str) -> float | None:
+    """The median of ``key`` over the runs that have it, or None without any."""
+    vals = [r[key] for r in runs if r.get(key) is not None]
+    return statistics.median(vals) if vals else None
 
 
 # --- inside a worker --------------------------------------------------------------------------

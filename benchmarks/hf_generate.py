@@ -30,7 +30,6 @@ import itertools
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -39,7 +38,15 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from common import MESSAGES, MODEL, memory_mb, pin_cpus, thread_env  # noqa: E402
+from common import (  # noqa: E402
+    MESSAGES,
+    MODEL,
+    fmt,
+    median_of,
+    memory_mb,
+    pin_cpus,
+    worker_result,
+)
 
 # label, load options, new tokens (the torch backend decodes quantized files at ~2 tok/s on a CPU)
 SETTINGS: list[tuple[str, dict[str, Any], int]] = [
@@ -52,11 +59,6 @@ TARGET_TIME, TARGET_RSS = 1.10, 1.20  # generate within 10% per token, peak RSS 
 
 
 # --- one process: one run ---------------------------------------------------------------------
-
-
-def _median(runs: list[dict], key: str) -> float | None:
-    """The median of ``key`` over the runs that did not fail, or None without any."""
-    return statistics.median(r[key] for r in runs) if runs else None
 
 
 def worker(job: dict[str, Any]) -> dict[str, Any]:
@@ -116,34 +118,11 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def run(job: dict[str, Any], timeout: float) -> dict[str, Any]:
-    """``job`` in a fresh process, every thread pool sized to ``--threads``."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(job)]
-    done = subprocess.run(
-        cmd,
-        env=thread_env(job["threads"]),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        stdin=subprocess.DEVNULL,
-        check=False,
-    )
-    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
-    if done.returncode or not lines:
-        tail = (done.stderr or done.stdout).strip().splitlines()
-        return {"error": tail[-1][:300] if tail else f"exit status {done.returncode}"}
-    return json.loads(lines[-1][len("RESULT ") :])
-
-
 # --- the report -------------------------------------------------------------------------------
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or not b else a / b
-
-
-def fmt(x: float | None, spec: str = "{:.1f}") -> str:
-    return "-" if x is None else spec.format(x)
 
 
 def report(results: dict[str, dict[str, list[dict[str, Any]]]], info: dict[str, Any]) -> str:
@@ -166,8 +145,14 @@ def report(results: dict[str, dict[str, list[dict[str, Any]]]], info: dict[str, 
     for label, kinds in results.items():
         ok = {k: [r for r in runs if "error" not in r] for k, runs in kinds.items()}
 
-        q_ms, g_ms = _median(ok["qllama"], "ms_per_token"), _median(ok["generate"], "ms_per_token")
-        q_rss, g_rss = _median(ok["qllama"], "peak_rss_mb"), _median(ok["generate"], "peak_rss_mb")
+        q_ms, g_ms = (
+            median_of(ok["qllama"], "ms_per_token"),
+            median_of(ok["generate"], "ms_per_token"),
+        )
+        q_rss, g_rss = (
+            median_of(ok["qllama"], "peak_rss_mb"),
+            median_of(ok["generate"], "peak_rss_mb"),
+        )
         t, m = ratio(g_ms, q_ms), ratio(g_rss, q_rss)
         same = "-"
         if ok["qllama"] and ok["generate"]:
@@ -245,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(repeats):
             for kind in KINDS:
                 job = {"kind": kind, "file": path, "options": options, "tokens": n}
-                got = run({**job, "threads": args.threads}, args.timeout)
+                got = worker_result({**job, "threads": args.threads}, args.timeout, __file__)
                 results[label][kind].append(got)
                 shown = got.get("error") or f"{got['ms_per_token']:.2f} ms/token"
                 print(f"{label} / {kind} run {i + 1}: {shown}", flush=True)

@@ -24,7 +24,6 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -34,7 +33,15 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from common import MESSAGES, MODEL, memory_mb, pin_cpus, thread_env  # noqa: E402
+from common import (  # noqa: E402
+    MESSAGES,
+    MODEL,
+    fmt,
+    median_of,
+    memory_mb,
+    pin_cpus,
+    worker_result,
+)
 
 KINDS = {
     "dropin": "qllama.hf drop-in (numpy cpu)",
@@ -114,29 +121,6 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def run(job: dict[str, Any], timeout: float) -> dict[str, Any]:
-    """``job`` in a fresh process; its result, or ``{"error": why}``."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(job)]
-    try:
-        done = subprocess.run(
-            cmd,
-            env=thread_env(job["threads"]),
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            stdin=subprocess.DEVNULL,
-            check=False,
-        )
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout:.0f} s"}
-    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
-    if done.returncode or not lines:
-        tail = [ln for ln in (done.stderr or done.stdout).strip().splitlines() if ln.strip()]
-        return {"error": tail[-1][:300] if tail else f"exit status {done.returncode}"}
-    result: dict[str, Any] = json.loads(lines[-1][len("RESULT ") :])
-    return result
-
-
 def available(module: str) -> bool:
     """Whether this interpreter can import ``module`` (checked in a child: no import here)."""
     code = f"import importlib.util, sys; sys.exit(importlib.util.find_spec({module!r}) is None)"
@@ -161,15 +145,17 @@ def measure(
         results[ft] = {k: [] for k in kinds}
         for i in range(repeats):
             for kind in kinds:
-                got = run({"kind": kind, "file": path, "threads": threads}, timeout)
+                got = worker_result(
+                    {"kind": kind, "file": path, "threads": threads}, timeout, __file__
+                )
                 results[ft][kind].append(got)
                 shown = got.get("error") or f"{got['load_s']:.2f} s, {got['peak_rss_mb']:.0f} MB"
                 print(f"load {ft} / {KINDS[kind]} run {i + 1}: {shown}", flush=True)
     return results, skipped
 
 
-def _fmt(x: float | None, spec: str) -> str:
-    return "-" if x is None else spec.format(x)
+# what each run reports, the medians the table shows
+COLUMNS = ("load_s", "param_mb", "import_rss_mb", "loaded_peak_rss_mb", "peak_rss_mb")
 
 
 def section(
@@ -197,18 +183,14 @@ def section(
         for kind, runs in kinds.items():
             ok = [r for r in runs if "error" not in r]
             failures += [f"{ft} / {KINDS[kind]}: {r['error']}" for r in runs if "error" in r]
-
-            def med(key: str, ok: list[dict[str, Any]] = ok) -> float | None:
-                vals = [r[key] for r in ok if r.get(key) is not None]
-                return statistics.median(vals) if vals else None
-
-            peak, base = med("peak_rss_mb"), med("import_rss_mb")
+            m = {k: median_of(ok, k) for k in COLUMNS}
+            peak, base = m["peak_rss_mb"], m["import_rss_mb"]
             above = None if peak is None or base is None else (peak - base) / size
             out.append(
-                f"| {ft} | {size:.0f} | {KINDS[kind]} | {_fmt(med('load_s'), '{:.2f}')} "
-                f"| {_fmt(med('param_mb'), '{:.1f}')} | {_fmt(med('import_rss_mb'), '{:.0f}')} "
-                f"| {_fmt(med('loaded_peak_rss_mb'), '{:.0f}')} | {_fmt(peak, '{:.0f}')} "
-                f"| {_fmt(above, '{:.1f}x')} |"
+                f"| {ft} | {size:.0f} | {KINDS[kind]} | {fmt(m['load_s'], '{:.2f}')} "
+                f"| {fmt(m['param_mb'], '{:.1f}')} | {fmt(base, '{:.0f}')} "
+                f"| {fmt(m['loaded_peak_rss_mb'], '{:.0f}')} | {fmt(peak, '{:.0f}')} "
+                f"| {fmt(above, '{:.1f}x')} |"
             )
     out.append("")
     for kind, why in skipped.items():
@@ -264,8 +246,8 @@ def run_section(files: list[str], threads: int, repeats: int, timeout: float = 9
         "date": started.strftime("%Y-%m-%d %H:%M UTC"),
         "threads": threads,
         "repeats": repeats,
-        "load_before": _fmt(load, "{:.2f}"),
-        "load_after": _fmt(os.getloadavg()[0] if hasattr(os, "getloadavg") else None, "{:.2f}"),
+        "load_before": fmt(load, "{:.2f}"),
+        "load_after": fmt(os.getloadavg()[0] if hasattr(os, "getloadavg") else None, "{:.2f}"),
         "versions": ", ".join(versions) or "-",
     }
     return section(results, skipped, info)

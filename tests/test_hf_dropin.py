@@ -35,7 +35,7 @@ from qllama.errors import (  # noqa: E402
     GGUFTruncatedError,
     UnsupportedOptionError,
 )
-from qllama.hf import (  # noqa: E402  # noqa: E402
+from qllama.hf import (  # noqa: E402
     AutoModelForCausalLM,
     AutoTokenizer,
     QllamaForCausalLM,

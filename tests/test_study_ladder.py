@@ -11,11 +11,12 @@ import pytest
 from qllama.cli import main
 from qllama.errors import QllamaError
 from qllama.measure import corpus
-from qllama.study import load_study
+from qllama.study import StudyError, load_study
 from qllama.study.declaration import to_toml
 from qllama.study.ladder import (
     Cell,
     Row,
+    check_ladder,
     format_table,
     ladder_study,
     ladder_types,
@@ -75,6 +76,11 @@ def test_the_ladder_is_a_study_and_its_toml(tiny, tmp_path):
     (path := tmp_path / "ladder.toml").write_text(to_toml(study))
     again = load_study(path)
     assert dataclasses.replace(study, folder=again.folder) == again
+    # --study takes a ladder's declaration only: one without the table's measures is refused
+    check_ladder(study)
+    bare = dataclasses.replace(study, measures=study.measures[:1])
+    with pytest.raises(StudyError, match="a ladder needs the measures corpus, free_generation"):
+        check_ladder(bare)
     with pytest.raises(Exception, match="unknown draw"):
         ladder_study(str(tiny), types=["Q8_0"], draws=("avx9",))
 

@@ -77,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.study:
         study = load_study(args.study)
+        ladders.check_ladder(study)
         f32 = build(study.model_source(), study.variant("F32")).path
         made = [v.type for v in study.variants if v.name != "F32"]
         ladder = ladders.rungs(f32, list(dict.fromkeys(made)), imatrix=True)

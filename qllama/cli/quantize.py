@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
         output_tensor_type=args.output_tensor_type,
         pure=args.pure,
     )
-    with read_gguf(args.input) as f:
+    with read_gguf(args.input) as f:  # read once: planned here, then quantized
         _, fallbacks = plan_with_fallbacks(
             f, args.type, imatrix=args.imatrix is not None, overrides=overrides
         )
@@ -62,33 +62,29 @@ def run(args: argparse.Namespace) -> int:
             flush=True,
         )
 
-    def fallback_note(t: Any) -> str:
-        chosen, written = fallbacks[t.name]
-        return (
-            f"rows of {t.ne[0]} are not a multiple of {chosen.name}'s {chosen.block.block_size}: "
-            f"fallback {written.name}"
-        )
-
-    def progress(i: int, n: int, t: Any, new: Any) -> None:
-        if not args.quiet:
-            note = f"  ({fallback_note(t)})" if t.name in fallbacks else ""
-            line = f"[{i + 1:>4}/{n}] {t.name:<32} {t.ggml_type.name:>5} -> {new.name:<5}{note}"
-            print(
-                line.rstrip(),
-                file=sys.stderr,
-                flush=True,
+        def fallback_note(t: Any) -> str:
+            chosen, written = fallbacks[t.name]
+            return (
+                f"rows of {t.ne[0]} are not a multiple of {chosen.name}'s "
+                f"{chosen.block.block_size}: fallback {written.name}"
             )
-        elif t.name in fallbacks:  # quiet: the fallbacks still, one line each
-            print(f"{t.name}: {fallback_note(t)}", file=sys.stderr, flush=True)
 
-    result = quantize_file(
-        args.input,
-        args.output,
-        args.type,
-        imatrix=args.imatrix,
-        progress=progress,
-        overrides=overrides,
-    )
+        def progress(i: int, n: int, t: Any, new: Any) -> None:
+            if not args.quiet:
+                note = f"  ({fallback_note(t)})" if t.name in fallbacks else ""
+                line = f"[{i + 1:>4}/{n}] {t.name:<32} {t.ggml_type.name:>5} -> {new.name:<5}"
+                print((line + note).rstrip(), file=sys.stderr, flush=True)
+            elif t.name in fallbacks:  # quiet: the fallbacks still, one line each
+                print(f"{t.name}: {fallback_note(t)}", file=sys.stderr, flush=True)
+
+        result = quantize_file(
+            f,
+            args.output,
+            args.type,
+            imatrix=args.imatrix,
+            progress=progress,
+            overrides=overrides,
+        )
     counts = ", ".join(f"{n} {k}" for k, n in sorted(result.counts.items(), key=lambda kv: -kv[1]))
     print(
         f"wrote {result.path}: {result.file_type.label}, {counts}; "

@@ -11,6 +11,7 @@ patching transformers' own names does not loop back into itself.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 import transformers
@@ -34,37 +35,50 @@ TEXT_GENERATION = "text-generation"
 PIPELINE_SIGNATURE = inspect.signature(ORIGINALS["pipeline"])
 
 
+def _from_pretrained(
+    which: str,
+    load: Callable[[str, dict[str, Any]], Any],
+    owner: type,
+    pretrained_model_name_or_path: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    """``owner.from_pretrained`` of transformers' ``which``: a GGUF file through ``load``
+    (its path and the keywords), anything else transformers' own call, untouched."""
+    target = gguf_target(pretrained_model_name_or_path, kwargs.get("gguf_file"))
+    if target is None:
+        original = ORIGINALS[f"{which}.from_pretrained"].__get__(None, owner)
+        return original(pretrained_model_name_or_path, *args, **kwargs)
+    if args:
+        raise UnsupportedOptionError(
+            f"{which}.from_pretrained of a GGUF file takes the path and keywords only, not "
+            f"{len(args)} more positional arguments"
+        )
+    kwargs.pop("gguf_file", None)
+    return load(target, kwargs)
+
+
 def model_from_pretrained(
     owner: type, pretrained_model_name_or_path: Any, *args: Any, **kwargs: Any
 ) -> Any:
     """``owner.from_pretrained``: a GGUF through qllama, anything else transformers'."""
-    target = gguf_target(pretrained_model_name_or_path, kwargs.get("gguf_file"))
-    if target is None:
-        original = ORIGINALS["AutoModelForCausalLM.from_pretrained"].__get__(None, owner)
-        return original(pretrained_model_name_or_path, *args, **kwargs)
-    if args:
-        raise UnsupportedOptionError(
-            "from_pretrained of a GGUF file takes the path and keywords only, not "
-            f"{len(args)} more positional arguments"
-        )
-    kwargs.pop("gguf_file", None)
-    return load_model(target, kwargs, QllamaForCausalLM)
+    return _from_pretrained(
+        "AutoModelForCausalLM",
+        lambda target, kw: load_model(target, kw, QllamaForCausalLM),
+        owner,
+        pretrained_model_name_or_path,
+        args,
+        kwargs,
+    )
 
 
 def tokenizer_from_pretrained(
     owner: type, pretrained_model_name_or_path: Any, *args: Any, **kwargs: Any
 ) -> Any:
     """``owner.from_pretrained``: a GGUF's QllamaTokenizer, anything else transformers'."""
-    target = gguf_target(pretrained_model_name_or_path, kwargs.get("gguf_file"))
-    if target is None:
-        original = ORIGINALS["AutoTokenizer.from_pretrained"].__get__(None, owner)
-        return original(pretrained_model_name_or_path, *args, **kwargs)
-    if args:
-        raise UnsupportedOptionError(
-            "AutoTokenizer.from_pretrained of a GGUF file takes the path and keywords only"
-        )
-    kwargs.pop("gguf_file", None)
-    return load_tokenizer(target, kwargs)
+    return _from_pretrained(
+        "AutoTokenizer", load_tokenizer, owner, pretrained_model_name_or_path, args, kwargs
+    )
 
 
 class AutoModelForCausalLM(transformers.AutoModelForCausalLM):

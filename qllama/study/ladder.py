@@ -213,6 +213,20 @@ def ladder_study(
     return study, ladder
 
 
+# what the ladder's table reads from every file's cells
+LADDER_MEASURES = ("corpus", "teacher_forcing", "free_generation")
+
+
+def check_ladder(study: Study) -> None:
+    """Refuse a declaration the ladder's table cannot be made from: it needs the F32
+    variant (the reference's file) and the measures the table reads."""
+    names = {m.name for m in study.measures}
+    missing = [m for m in LADDER_MEASURES if m not in names]
+    if missing:
+        raise StudyError(f"a ladder needs the measures {', '.join(missing)}; the study lacks them")
+    study.variant("F32")
+
+
 # --- the table ------------------------------------------------------------------------------
 
 
@@ -500,12 +514,14 @@ def write(
 
 __all__ = [
     "DRAWS",
+    "LADDER_MEASURES",
     "PROMPTS",
     "SETTINGS",
     "Cell",
     "Row",
     "Rung",
     "bits_per_weight",
+    "check_ladder",
     "format_table",
     "ladder_study",
     "ladder_types",
