@@ -123,6 +123,24 @@ def ladder(session: nox.Session) -> None:
     session.run("qllama", "ladder", *args, *session.posargs)
 
 
+CONTROL_TYPES = "Q8_0,Q6_K,Q5_K_M,Q5_1,Q5_0,Q4_K_M,Q4_1,Q4_0,IQ4_XS,Q3_K_M"
+
+
+@nox.session
+def controls(session: nox.Session) -> None:
+    """How far SmolLM2's ladder carries (docs/choosing.md): one ladder (ten types, no
+    importance matrix, 8 windows) on SmolLM2 and on its two controls, its weights dithered off
+    their Q4_1 grid and Gaussian weights of its shape (qllama.study.controls); into
+    docs/ladder-controls/. Arguments after -- go to every qllama ladder."""
+    session.install("-e", ".[plot]")
+    common = ["--types", CONTROL_TYPES, "--imatrix-corpus", "none", "--draw", "none"]
+    common += ["--chunks", "8", "--results", "results", *session.posargs]
+    for control in ("none", "dither", "gaussian"):
+        which = [] if control == "none" else ["--control", control]
+        out = ["--out", f"docs/ladder-controls/{control}"]
+        session.run("qllama", "ladder", "smollm2-135m-instruct", *which, *out, *common)
+
+
 # llama.cpp for the peer sessions: built from the llama-cpp-python sdist for the CPU it runs on
 # (AVX-512 only where /proc/cpuinfo has avx512f, never AMX), cached per flags
 # (tools/llama_cpp_build.py).

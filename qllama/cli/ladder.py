@@ -37,6 +37,12 @@ def add_parser(sub: Subparsers) -> None:
         default="qllama",
         help="who computes the F32 file's logits: qllama's dequantize-all, or transformers",
     )
+    s.add_argument(
+        "--control",
+        choices=["dither", "gaussian"],
+        help="measure a control of the model instead: its weights off their grid "
+        "(qllama.study.controls; written once under RESULTS/controls)",
+    )
     s.add_argument("--threads", type=int, default=1, help="every cell's threads")
     s.add_argument("--executor", choices=["local", "process", "dask"], default="process")
     s.add_argument("--workers", type=int, help="processes or local Dask workers (default: cores)")
@@ -57,6 +63,8 @@ def check(args: argparse.Namespace) -> None:
 
     if (args.model is None) == (args.study is None):
         raise QllamaError("give the F32 model, or --study with a ladder declaration")
+    if args.control and args.study:
+        raise QllamaError("--control makes a ladder of its own: give the model, not --study")
     if not args.no_plot and not args.write_study:
         require_module("matplotlib", "plot", "the ladder's plot (--no-plot: none)")
     if args.reference == "transformers":
@@ -83,11 +91,17 @@ def run(args: argparse.Namespace) -> int:
         ladder = ladders.rungs(f32, list(dict.fromkeys(made)), imatrix=True)
     else:
         f32 = build(args.model, ladders.Variant("F32")).path
+        model = args.model
+        if args.control:
+            from qllama.study.controls import control_file
+
+            f32 = str(control_file(f32, args.control, Path(args.results) / "controls"))
+            model = f32
         draws = [d for d in (args.draw or ["avx2", "sse"]) if d != "none"]
         corpus = None if args.imatrix_corpus == "none" else args.imatrix_corpus
         types = args.types.split(",") if args.types else None
         study, ladder = ladders.ladder_study(
-            args.model,
+            model,
             types=types,
             imatrix_corpus=corpus,
             imatrix_chunks=args.imatrix_chunks,
