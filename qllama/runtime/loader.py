@@ -31,6 +31,17 @@ from qllama.runtime.model import LayerWeights, Model, Weights
 FLOAT_1D_TYPES = ("F32", "F16", "BF16")  # norms, biases and rope_freqs are never quantized
 
 
+def is_vector(name: str, shape: tuple[int, ...]) -> bool:
+    """Whether a tensor is a float array of the forward pass (a norm, a bias, RoPE factors, a
+    shared expert's gate vector), not a weight a backend multiplies with."""
+    return len(shape) == 1 or name.endswith(".bias")
+
+
+def is_weight(name: str, shape: tuple[int, ...]) -> bool:
+    """Whether a tensor is a weight of products (2-D, or 3-D: one 2-D slice per expert)."""
+    return not is_vector(name, shape)
+
+
 def expected_tensors(c: ModelConfig, *, fused_qkv: bool = False) -> dict[str, Tensor]:
     """Every tensor the model may use, by name, as the architecture declares it."""
     return {t.name: t for t in c.features.tensors(c, fused_qkv=fused_qkv)}
@@ -54,7 +65,7 @@ def check_tensors(f: GGUFFile, c: ModelConfig) -> dict[str, TensorInfo]:
             raise TensorShapeError(
                 f"tensor '{name}' has shape {list(t.shape)}, expected {list(shape)}"
             )
-        if len(shape) == 1 and t.ggml_type.name not in FLOAT_1D_TYPES:
+        if is_vector(name, shape) and t.ggml_type.name not in FLOAT_1D_TYPES:
             raise TensorShapeError(
                 f"tensor '{name}' is {t.ggml_type.name}; norm weights must be F32, F16 or BF16"
             )
@@ -230,7 +241,7 @@ def _build(
             f"{config.n_vocab} rows"
         )
     if arithmetic is not None:  # a backend per arithmetic, each weight routed at prepare
-        weights_2d = [name for name, t in tensors.items() if len(t.shape) == 2]
+        weights_2d = [name for name, t in tensors.items() if is_weight(name, t.shape)]
         be: Backend = policy_backend(
             backend,
             arithmetic,
@@ -246,13 +257,23 @@ def _build(
 
     def prepared(name: str) -> Any:
         t = tensors[name]
-        return be.prepare(
-            QuantTensor(name, t.ggml_type, (t.shape[0], t.shape[1]), f.tensor_data(name))
+        data = f.tensor_data(name)
+        if len(t.shape) == 2:
+            return be.prepare(QuantTensor(name, t.ggml_type, (t.shape[0], t.shape[1]), data))
+        # a 3-D expert tensor (n_expert, rows, row_length): each expert's slab by itself,
+        # a view of the file's bytes, under the tensor's name (the arithmetic policy's key)
+        n, rows, row_length = t.shape
+        slab = data.shape[0] // n
+        return tuple(
+            be.prepare(
+                QuantTensor(name, t.ggml_type, (rows, row_length), data[e * slab : (e + 1) * slab])
+            )
+            for e in range(n)
         )
 
     def value(name: str) -> Any:
         t = tensors[name]
-        return _norm(f, t, be) if len(t.shape) == 1 else prepared(name)
+        return _norm(f, t, be) if is_vector(name, t.shape) else prepared(name)
 
     parts: list[dict[str, Any]] = [{} for _ in range(config.n_layer)]
     top: dict[str, Any] = {}
