@@ -9,6 +9,7 @@ is NaN or infinite.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import warnings
@@ -62,9 +63,14 @@ def check_tensors(f: GGUFFile, c: ModelConfig) -> dict[str, TensorInfo]:
             continue
         shape = spec.shape(c)
         if t.shape != shape:
-            raise TensorShapeError(
-                f"tensor '{name}' has shape {list(t.shape)}, expected {list(shape)}"
-            )
+            # ggml's shapes are padded with 1s: the converter writes qwen2moe's shared-expert
+            # gate {n_embd} as [n_embd, 1] (numpy (1, n_embd)), which llama.cpp loads as {n_embd}
+            padded = (1,) * (len(t.shape) - len(shape)) + shape
+            if t.shape != padded:
+                raise TensorShapeError(
+                    f"tensor '{name}' has shape {list(t.shape)}, expected {list(shape)}"
+                )
+            t = dataclasses.replace(t, ne=tuple(reversed(shape)))
         if is_vector(name, shape) and t.ggml_type.name not in FLOAT_1D_TYPES:
             raise TensorShapeError(
                 f"tensor '{name}' is {t.ggml_type.name}; norm weights must be F32, F16 or BF16"
