@@ -272,7 +272,7 @@ def write_tiny(
     for k, v in {**meta, **vocab_meta}.items():
         w.add(k, v)
     for name, shape in tensor_shapes(cfg, n_vocab).items():
-        if len(shape) == 1:
+        if len(shape) == 1 or name.endswith(".bias"):  # float vectors (and experts' biases)
             w.add_tensor(name, _vector(name, shape, rng, cfg.scale), GGMLType.F32)
             continue
         x = (cfg.scale * rng.standard_normal(shape)).astype(np.float32)

@@ -83,6 +83,16 @@ FAMILIES: dict[str, TinyConfig] = {
         ),
         **BASE,
     ),
+    "gpt-oss": TinyConfig(
+        arch="gpt-oss",
+        tied=False,
+        biases=True,
+        head_dim=16,
+        sliding_window=4,
+        n_expert=4,
+        n_ff_exp=32,
+        **BASE,
+    ),
 }
 SETUPS = {
     "numpy-f32": ("numpy", {"activations": "f32"}),

@@ -110,7 +110,7 @@ def base_config(arch: str, key: str) -> TinyConfig:
         head_dim=16 if a.q_width_is_embd else 32,  # 64 / 4 = 16: the key written either way
         n_rot=8 if a.partial_rotary else 0,
         sliding_window=8 if arch in SLIDING else 0,
-        tied=arch not in ("olmo2", "olmoe", "qwen2moe"),
+        tied=arch not in ("olmo2", "olmoe", "qwen2moe", "gpt-oss"),
         extra_keys=tuple(extra.items()),
         **(EXPERTS if a.experts is not None and not a.experts.optional else {}),
     )

@@ -30,12 +30,14 @@ from qllama.backends.base import QuantTensor, expert_matmul
 from qllama.errors import ModelConfigError
 from qllama.ggml_types import GGMLType, ValueType
 from qllama.gguf.reader import GGUFValue
-from qllama.runtime.architectures import Gating, SharedExpert, architecture
+from qllama.runtime.architectures import ExpertActivation, Gating, SharedExpert, architecture
 from qllama.runtime.model import (
     MIN_WEIGHT_SUM,
     expert_weights,
     gather_rows,
     router_softmax,
+    softmax_with_sink,
+    swiglu_oai,
     top_k,
 )
 from qllama.synthetic import TinyConfig, write_tiny
@@ -58,6 +60,7 @@ def test_the_families_with_experts_have_tiny_files() -> None:
         "llama",
         "olmoe",
         "granitemoe",
+        "gpt-oss",
     }
 
 
@@ -202,24 +205,39 @@ def oracle_moe(m: Any, x: np.ndarray, i: int) -> np.ndarray:
     row alone (the backend's matmul of one row), the slots added in order."""
     c, e, layer, be = m.config, m.features.experts, m.weights.layers[i], m.backend
     logits = to_numpy(be.matmul(x, layer.ffn_gate_inp))  # the router, as the block computes it
+    if layer.ffn_gate_inp_bias is not None:
+        logits = logits + layer.ffn_gate_inp_bias
+
+    def softmax(v: np.ndarray) -> np.ndarray:
+        ex = np.exp(v - v.max())
+        return ex * (np.float32(1.0) / ex.sum())  # times the reciprocal, as ggml
+
+    def bias(b: np.ndarray | None, j: int) -> Any:
+        return 0 if b is None else b[j]
+
     out = np.empty_like(x)
     for t in range(x.shape[0]):
-        lt = logits[t]
-        ex = np.exp(lt - lt.max())
-        probs = ex * (np.float32(1.0) / ex.sum())  # times the reciprocal, as ggml
+        softmax_first = e.gating == Gating.SOFTMAX
+        probs = softmax(logits[t]) if softmax_first else logits[t]
         order = sorted(range(c.n_expert), key=lambda j: (-probs[j], j))[: c.n_expert_used]
-        w = probs[order]
+        w = probs[order] if softmax_first else softmax(probs[order])
         if c.expert_weights_norm:
             w = w / max(w.sum(), np.float32(MIN_WEIGHT_SUM))
         acc = None
         for s, j in enumerate(order):
             row = x[t : t + 1]
-            up = be.matmul(row, layer.ffn_up_exps[j])
+            up = be.matmul(row, layer.ffn_up_exps[j]) + bias(layer.ffn_up_exps_bias, j)
             if layer.ffn_gate_exps is None:
                 h = m.activation(up, xp=m.xp)
             else:
-                h = m.activation(be.matmul(row, layer.ffn_gate_exps[j]), xp=m.xp) * up
-            y = be.matmul(h, layer.ffn_down_exps[j])[0] * w[s]
+                gate = be.matmul(row, layer.ffn_gate_exps[j]) + bias(layer.ffn_gate_exps_bias, j)
+                if e.activation == ExpertActivation.SWIGLU_OAI:  # by hand, as llama.cpp's loop
+                    g, u = np.minimum(gate, np.float32(7)), np.clip(up, -7, 7)
+                    h = g / (1 + np.exp(np.float32(1.702) * -g)) * (u + 1)
+                else:
+                    h = m.activation(gate, xp=m.xp) * up
+            y = be.matmul(h, layer.ffn_down_exps[j]) + bias(layer.ffn_down_exps_bias, j)
+            y = y[0] * w[s]
             acc = y if acc is None else acc + y
         out[t] = acc
     if layer.ffn_up_shexp is not None:
@@ -359,7 +377,6 @@ def test_a_missing_expert_tensor_is_refused(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("arch", "message"),
     [
-        ("gpt-oss", "attention sinks, YaRN RoPE"),
         ("deepseek2", "multi-head latent attention"),
         ("qwen3next", "hybrid recurrent"),
     ],
@@ -379,20 +396,21 @@ def test_families_with_experts_qllama_lacks_are_refused_by_name(
 
 
 def test_the_declarations_gate_and_share_as_llama_cpp() -> None:
-    """moe_kv_recipes.md 1.9-1.10: softmax everywhere; qwen3moe, Mixtral and granitemoe
-    normalise the top-k weights, qwen2moe and olmoe do not; qwen2moe's shared expert is gated,
-    granitemoe's is not."""
+    """moe_kv_recipes.md 1.9-1.10: softmax (gpt-oss: over the selected logits); qwen3moe,
+    Mixtral and granitemoe normalise the top-k weights, qwen2moe, olmoe and gpt-oss do not;
+    qwen2moe's shared expert is gated, granitemoe's is not."""
     want = {
         "qwen3moe": (True, SharedExpert.NONE),
         "qwen2moe": (False, SharedExpert.GATED),
         "llama": (True, SharedExpert.NONE),
         "olmoe": (False, SharedExpert.NONE),
         "granitemoe": (True, SharedExpert.UNGATED),
+        "gpt-oss": (False, SharedExpert.NONE),
     }
     for arch, (norm, shared) in want.items():
         e = architecture(arch).experts
-        assert e is not None and e.gating == Gating.SOFTMAX
-        assert (e.norm, e.shared) == (norm, shared), arch
+        assert e is not None and (e.norm, e.shared) == (norm, shared), arch
+        assert e.gating == (Gating.SOFTMAX_WEIGHT if arch == "gpt-oss" else Gating.SOFTMAX)
 
 
 def test_a_dense_llama_stays_dense(tmp_path: Path) -> None:
@@ -400,3 +418,76 @@ def test_a_dense_llama_stays_dense(tmp_path: Path) -> None:
     write_tiny(path, TinyConfig(arch="llama", **BASE))
     m = qllama.load(path, backend="numpy", activations="f32")
     assert m.config.n_expert == 0 and m.weights.layers[0].ffn_gate_inp is None
+
+
+# --- transformers on the original safetensors ---------------------------------------------------
+
+SPEC = 1e-5  # qllama F32 against transformers, relative to max |logit| (as the dense families)
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["qwen3moe", "qwen2moe", "mixtral", "olmoe", "granitemoe", "granitemoeshared", "gpt-oss"],
+)
+def test_transformers_on_the_original_safetensors(name: str) -> None:
+    """A tiny random transformers model of the family, converted by llama.cpp's converter
+    (tests/conformance/moe.py; built once, then cached): qllama's F32 logits against
+    transformers' own modeling code, every backend."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("sentencepiece")
+    from conformance.moe import build
+    from conformance.runners import transformers_logits
+    from conformance.sources import Unreachable
+
+    try:
+        built = build(name)
+    except Unreachable as e:
+        pytest.skip(str(e))
+    ids = built.ids()
+    ref = transformers_logits(built, ids)
+    assert np.abs(ref).max() > 1.0 and len(set(ref.argmax(axis=1).tolist())) > 4  # not flat
+    for setup, (backend, options) in BACKENDS.items():
+        if importlib.util.find_spec(backend) is None:
+            continue
+        got = to_numpy(
+            qllama.load(built.gguf, backend=backend, **options).forward(ids, all_logits=True)
+        )
+        assert got.shape == ref.shape
+        assert float(np.abs(got - ref).max() / np.abs(ref).max()) <= SPEC, setup
+
+
+def test_gpt_oss_with_yarn_is_refused(tmp_path: Path) -> None:
+    """Real gpt-oss files rotate with YaRN, which qllama does not compute: refused by key."""
+    path = _with_keys(tmp_path, "gpt-oss", **{"rope.scaling.type": "yarn"})
+    with pytest.raises(ModelConfigError, match="gpt-oss.rope.scaling.type is 'yarn'"):
+        qllama.load(path)
+
+
+@pytest.mark.parametrize("ns", NAMESPACES)
+def test_swiglu_oai_by_hand(ns: str) -> None:
+    """min on the gate only, a two-sided clip on up, and up + 1 (gpt-oss's SWIGLU_OAI)."""
+    xp = xp_of(ns)
+    gate = np.float32([-9.0, -1.0, 0.0, 2.0, 7.0, 9.0])
+    up = np.float32([-9.0, 8.0, 1.0, -0.5, 7.0, 9.0])
+    g, u = np.minimum(gate, 7), np.clip(up, -7, 7)
+    want = g / (1 + np.exp(np.float32(1.702) * -g)) * (u + 1)
+    got = to_numpy(swiglu_oai(xp.asarray(gate), xp.asarray(up), xp=xp))
+    np.testing.assert_allclose(got, want, rtol=8 * 2.0**-24, atol=0)
+    assert got[5] == got[4]  # (9, 9) clamps to (7, 7)
+
+
+@pytest.mark.parametrize("ns", NAMESPACES)
+def test_a_sink_joins_the_sum_only(ns: str) -> None:
+    """exp(s_j - m) / (sum_j exp(s_j - m) + exp(sink - m)), m the max over scores and sink:
+    the row sums to 1 - p(sink)."""
+    xp = xp_of(ns)
+    scores = np.float32([[1.0, 2.0, -np.inf], [0.0, 0.0, 0.0]])
+    sink = np.float32([[3.0], [-1.0]])
+    m = np.maximum(scores.max(axis=-1, keepdims=True), sink)
+    e = np.exp(scores - m)
+    want = e / (e.sum(axis=-1, keepdims=True) + np.exp(sink - m))
+    got = to_numpy(softmax_with_sink(xp.asarray(scores), xp.asarray(sink), xp=xp))
+    np.testing.assert_allclose(got, want, rtol=8 * 2.0**-24, atol=0)
+    assert got[0, 2] == 0.0
+    # the sink (3 over scores 1 and 2) keeps 1 / (1 + e^-1 + e^-2) of the first row's mass
+    assert abs(float(got[0].sum()) - (1 - 1 / (1 + np.exp(-1) + np.exp(-2)))) < 1e-6

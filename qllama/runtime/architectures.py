@@ -86,6 +86,15 @@ class ExpertWidth(enum.Enum):
 
     FFN = "ffn"  # feed_forward_length (Mixtral, olmoe, granitemoe)
     EXPERT_KEY = "expert_key"  # expert_feed_forward_length, else feed_forward_length / k (qwen)
+    EXPERT_KEY_REQUIRED = "expert_key_required"  # expert_feed_forward_length (gpt-oss)
+
+
+class ExpertActivation(enum.Enum):
+    """The experts' gated activation."""
+
+    FAMILY = "family"  # the architecture's own activation (SiLU): act(gate) * up
+    # gpt-oss's SWIGLU_OAI: g = min(gate, 7), u = clip(up, -7, 7), g / (1 + exp(-1.702 g)) * (u + 1)
+    SWIGLU_OAI = "swiglu_oai"
 
 
 @dataclass(frozen=True)
@@ -101,12 +110,16 @@ class Experts:
     width: ExpertWidth = ExpertWidth.EXPERT_KEY
     gate_optional: bool = False  # ffn_gate_exps may be absent: act(up) alone (llama, granite)
     optional: bool = False  # the family is dense unless expert_count is set (llama)
+    activation: ExpertActivation = ExpertActivation.FAMILY
+    biases: bool = False  # a router bias and per-expert biases (gpt-oss)
 
 
 class Norms(enum.Enum):
     """Where the RMSNorms of a block sit."""
 
     PRE = "pre"  # x + f(norm(x)): attn_norm, ffn_norm
+    # as PRE, the FFN's norm stored as post_attention_norm (gpt-oss)
+    PRE_FFN_AS_POST_ATTENTION = "pre_ffn_as_post_attention"
     SANDWICH = "sandwich"  # x + post_norm(f(norm(x))): gemma2/3
     POST = "post"  # x + post_norm(f(x)): olmo2 (no pre-norms at all)
 
@@ -153,6 +166,9 @@ class Tensor:
     name: str
     shape: Callable[[Dims], tuple[int, ...]]
     required: bool = True
+    # the model's field it fills, where not the one its name says (gpt-oss's pre-FFN norm is
+    # named post_attention_norm)
+    field: str | None = None
 
     def at(self, i: int) -> str:
         return self.name.format(i=i)
@@ -228,10 +244,22 @@ def expert_tensors(e: Experts, c: Dims) -> list[Tensor]:
         ]
     if e.shared == SharedExpert.GATED:
         out.append(Tensor("blk.{i}.ffn_gate_inp_shexp.weight", _embd))
+    if e.biases:
+        out += [
+            Tensor("blk.{i}.ffn_gate_inp.bias", lambda c: (c.n_expert,)),
+            Tensor("blk.{i}.ffn_gate_exps.bias", lambda c: (c.n_expert, c.n_ff_exp)),
+            Tensor("blk.{i}.ffn_up_exps.bias", lambda c: (c.n_expert, c.n_ff_exp)),
+            Tensor("blk.{i}.ffn_down_exps.bias", lambda c: (c.n_expert, c.n_embd)),
+        ]
     return out
 
 
 PRE_NORMS = (Tensor("blk.{i}.attn_norm.weight", _embd), Tensor("blk.{i}.ffn_norm.weight", _embd))
+OAI_NORMS = (
+    Tensor("blk.{i}.attn_norm.weight", _embd),
+    Tensor("blk.{i}.post_attention_norm.weight", _embd, field="ffn_norm"),
+)
+ATTN_SINKS = (Tensor("blk.{i}.attn_sinks.weight", lambda c: (c.n_head,)),)
 POST_NORMS = (
     Tensor("blk.{i}.post_attention_norm.weight", _embd),
     Tensor("blk.{i}.post_ffw_norm.weight", _embd),
@@ -287,7 +315,9 @@ class Architecture:
     def tensors(self, c: Dims, *, fused_qkv: bool) -> list[Tensor]:
         """Every tensor the model may use, the per-block ones once per block."""
         block: list[Tensor] = []
-        if self.norms != Norms.POST:
+        if self.norms == Norms.PRE_FFN_AS_POST_ATTENTION:
+            block += OAI_NORMS
+        elif self.norms != Norms.POST:
             block += PRE_NORMS
         block += FUSED_QKV if fused_qkv else SEPARATE_QKV
         if self.qk_norm != QKNorm.NONE:
@@ -297,7 +327,7 @@ class Architecture:
                 Tensor("blk.{i}.attn_k_norm.weight", k_shape),
             ]
         block.append(Tensor("blk.{i}.attn_output.weight", _O))
-        if self.norms != Norms.PRE:
+        if self.norms in (Norms.SANDWICH, Norms.POST):
             block += POST_NORMS
         moe = self.experts is not None and c.n_expert > 0
         if moe:
@@ -322,7 +352,7 @@ class Architecture:
             )
         out += glob
         for i in range(c.n_layer):
-            out += [Tensor(t.at(i), t.shape, t.required) for t in block + per_block]
+            out += [Tensor(t.at(i), t.shape, t.required, t.field) for t in block + per_block]
         return out
 
 
@@ -450,13 +480,28 @@ ARCHITECTURES: dict[str, Architecture] = {
                 gate_optional=True,
             ),
         ),
+        # attention sinks, alternating sliding layers (even ones slide), the clamped SwiGLU,
+        # biased router and experts, a softmax over the selected logits (openai-moe.cpp);
+        # its YaRN RoPE is refused with rope.scaling.type like every family's
+        Architecture(
+            "gpt-oss",
+            RopeLayout.HALVES,
+            norms=Norms.PRE_FFN_AS_POST_ATTENTION,
+            extra_tensors=ATTN_OUTPUT_BIAS + ATTN_SINKS,
+            swa_pattern=2,
+            output=Output.REQUIRED,
+            experts=Experts(
+                gating=Gating.SOFTMAX_WEIGHT,
+                width=ExpertWidth.EXPERT_KEY_REQUIRED,
+                activation=ExpertActivation.SWIGLU_OAI,
+                biases=True,
+            ),
+        ),
     )
 }
 
 # families with experts that qllama knows of and does not compute: what each one lacks
 REFUSED_ARCHITECTURES: dict[str, str] = {
-    "gpt-oss": "attention sinks, YaRN RoPE, the clamped SwiGLU (SWIGLU_OAI) and biased "
-    "experts with a softmax over the selected logits are not implemented",
     "deepseek2": "multi-head latent attention (MLA), sigmoid gating with a selection bias, "
     "grouped top-k and dense leading layers are not implemented",
     "qwen3next": "hybrid recurrent layers (gated delta net) are not implemented",

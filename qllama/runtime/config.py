@@ -234,7 +234,8 @@ class _Reader:
         if e.width == ExpertWidth.FFN:
             width = n_ff
         else:
-            width = self.integer("expert_feed_forward_length", 1, MAX_WIDTH * 8, n_ff // used)
+            fallback = n_ff // used if e.width == ExpertWidth.EXPERT_KEY else None
+            width = self.integer("expert_feed_forward_length", 1, MAX_WIDTH * 8, fallback)
         shared = 0
         if e.shared != SharedExpert.NONE:
             default = n_ff if e.shared == SharedExpert.GATED else 0

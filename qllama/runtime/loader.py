@@ -281,13 +281,16 @@ def _build(
         t = tensors[name]
         return _norm(f, t, be) if is_vector(name, t.shape) else prepared(name)
 
+    # the field each tensor fills: the one its name says, unless the declaration names another
+    fields = {t.name: t.field for t in expected_tensors(config).values() if t.field}
     parts: list[dict[str, Any]] = [{} for _ in range(config.n_layer)]
     top: dict[str, Any] = {}
     for name in tensors:
+        field = fields.get(name) or _field(name)
         if name.startswith("blk."):
-            parts[int(name.split(".")[1])][_field(name)] = value(name)
+            parts[int(name.split(".")[1])][field] = value(name)
         else:
-            top[_field(name)] = value(name)
+            top[field] = value(name)
     top.setdefault("output", top["token_embd"])  # tied: the embedding is the output matrix
     weights = Weights(layers=[LayerWeights(**p) for p in parts], **top)
     template = f.get("tokenizer.chat_template")

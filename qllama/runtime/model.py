@@ -47,6 +47,7 @@ from qllama.gguf.reader import GGUFFile
 from qllama.runtime import generation
 from qllama.runtime.architectures import (
     Activation,
+    ExpertActivation,
     Experts,
     Gating,
     QKNorm,
@@ -93,6 +94,7 @@ class LayerWeights:
     attn_v_bias: Array = None
     attn_qkv_bias: Array = None
     attn_output_bias: Array = None  # (n_embd,)
+    attn_sinks: Array = None  # (n_head,): a logit per head joining each softmax's sum (gpt-oss)
     ffn_gate_bias: Array = None  # (n_ff,)
     ffn_up_bias: Array = None
     ffn_down_bias: Array = None  # (n_embd,)
@@ -105,6 +107,10 @@ class LayerWeights:
     ffn_up_shexp: Weight = None  # (n_ff_shexp, n_embd)
     ffn_down_shexp: Weight = None  # (n_embd, n_ff_shexp)
     ffn_gate_inp_shexp: Array = None  # (n_embd,): the shared expert's gate (qwen2moe)
+    ffn_gate_inp_bias: Array = None  # (n_expert,): the router's bias (gpt-oss)
+    ffn_gate_exps_bias: Array = None  # (n_expert, n_ff_exp): each expert's bias
+    ffn_up_exps_bias: Array = None  # (n_expert, n_ff_exp)
+    ffn_down_exps_bias: Array = None  # (n_expert, n_embd)
 
 
 @dataclass
@@ -269,6 +275,26 @@ def expert_weights(
     if scale not in (0.0, 1.0):
         w = w * scale
     return w
+
+
+def softmax_with_sink(x: Array, sink: Array, *, xp: Namespace) -> Array:
+    """Softmax over the last axis with one more logit per row, ``sink`` (broadcast against
+    ``x[..., :1]``), in the sum only (gpt-oss's attention sinks: not scaled, no value)."""
+    m = xp.maximum(xp.max(x, axis=-1, keepdims=True), sink)
+    d = x - m
+    e = xp.exp(xp.where(d < NEGLIGIBLE, -xp.inf, d))
+    return e / (xp.sum(e, axis=-1, keepdims=True) + xp.exp(sink - m))
+
+
+# gpt-oss's clamped SwiGLU (SWIGLU_OAI; the constants are fixed in llama.cpp's build_moe_ffn)
+OAI_ALPHA, OAI_LIMIT = 1.702, 7.0
+
+
+def swiglu_oai(gate: Array, up: Array, *, xp: Namespace) -> Array:
+    """min(gate, 7) / (1 + exp(-1.702 min(gate, 7))) * (clip(up, -7, 7) + 1)."""
+    g = xp.where(gate > OAI_LIMIT, OAI_LIMIT, gate)
+    u = xp.where(up > OAI_LIMIT, OAI_LIMIT, xp.where(up < -OAI_LIMIT, -OAI_LIMIT, up))
+    return g / (1.0 + xp.exp(OAI_ALPHA * -g)) * (u + 1.0)
 
 
 def softcap(x: Array, cap: float, *, xp: Namespace) -> Array:
@@ -590,8 +616,9 @@ class Model:
         v = xp.reshape(v, (T, n_kv, hd_v))  # (T, n_kv, hd_v)
         if rot is not None:  # None: a layer without RoPE (smollm3's every fourth)
             q, k = self._rope(q, rot), self._rope(k, rot)
+        sinks = layer.attn_sinks  # None but in gpt-oss
         if len(segments) == 1:
-            out = self._attend(q, k, v, i, segments[0], window)
+            out = self._attend(q, k, v, i, segments[0], window, sinks)
         else:  # each sequence attends over its own cache: rows start..start+n of the batch
             out = xp.concat(
                 [
@@ -602,6 +629,7 @@ class Model:
                         i,
                         g,
                         window,
+                        sinks,
                     )
                     for g in segments
                 ],
@@ -609,7 +637,16 @@ class Model:
             )  # (T, n_head*hd_v)
         return self._linear(out, layer.attn_output, layer.attn_output_bias)
 
-    def _attend(self, q: Array, k: Array, v: Array, i: int, segment: Segment, window: int) -> Array:
+    def _attend(
+        self,
+        q: Array,
+        k: Array,
+        v: Array,
+        i: int,
+        segment: Segment,
+        window: int,
+        sinks: Array = None,
+    ) -> Array:
         """One sequence's attention: its queries (T, n_head, hd) over its cache, after writing
         its keys (T, n_kv, hd) and values (T, n_kv, hd_v) there; (T, n_head*hd_v)."""
         xp, c = self.xp, self.config
@@ -621,16 +658,19 @@ class Model:
         # choose another kernel, and round otherwise, for another block's shape)
         rows = max(1, self.attention_bytes // (4 * c.n_head * k.shape[1]))
         if rows >= T:
-            return self._attend_rows(q, k, v, mask, cache)
+            return self._attend_rows(q, k, v, mask, cache, sinks)
         blocks = [(a, min(a + rows, T)) for a in range(0, T, rows)]
         return xp.concat(
-            [self._attend_rows(q[a:b, ...], k, v, mask[a:b, ...], cache) for a, b in blocks],
+            [self._attend_rows(q[a:b, ...], k, v, mask[a:b, ...], cache, sinks) for a, b in blocks],
             axis=0,
         )  # (T, n_head*hd_v)
 
-    def _attend_rows(self, q: Array, k: Array, v: Array, mask: Array, cache: KVCache) -> Array:
+    def _attend_rows(
+        self, q: Array, k: Array, v: Array, mask: Array, cache: KVCache, sinks: Array = None
+    ) -> Array:
         """Queries (t, n_head, hd) over keys (n_kv, S, hd) and values (n_kv, S, hd_v) under
-        ``mask`` (t, S); (t, n_head*hd_v)."""
+        ``mask`` (t, S), with a sink logit per head (n_head,) where the model has them;
+        (t, n_head*hd_v)."""
         xp, c = self.xp, self.config
         t, hd, n_kv, n_rep, S = q.shape[0], c.head_dim, c.n_head_kv, c.n_rep, k.shape[1]
         # query head h reads kv head h // n_rep: one product per kv head over its query heads
@@ -643,7 +683,11 @@ class Model:
         scores = scores * c.query_scale
         if c.attn_softcap:
             scores = softcap(scores, c.attn_softcap, xp=xp)
-        p = cache.operand(softmax(scores + mask, xp=xp))  # (n_kv, n_rep, t, S)
+        if sinks is None:
+            p = softmax(scores + mask, xp=xp)  # (n_kv, n_rep, t, S)
+        else:  # query head h = kv * n_rep + r has sink h
+            p = softmax_with_sink(scores + mask, xp.reshape(sinks, (n_kv, n_rep, 1, 1)), xp=xp)
+        p = cache.operand(p)
         out = xp.matmul(xp.reshape(p, (n_kv, n_rep * t, S)), v)  # (n_kv, n_rep*t, hd_v)
         out = xp.reshape(out, (n_kv, n_rep, t, c.head_dim_v))  # (n_kv, n_rep, t, hd_v)
         return xp.reshape(
@@ -699,11 +743,11 @@ class Model:
         """build_moe_ffn (shared/reference/moe_kv_recipes.md 1.2): route, weigh, the k experts'
         SwiGLU products, summed in slot order (the best expert first); then the shared
         expert."""
-        xp, c, be = self.xp, self.config, self.backend
+        xp, c = self.xp, self.config
         e = self.features.experts
         assert e is not None  # a router is declared only with experts
         k = c.n_expert_used
-        logits = self._linear(x, layer.ffn_gate_inp)  # (T, n_expert)
+        logits = self._linear(x, layer.ffn_gate_inp, layer.ffn_gate_inp_bias)  # (T, n_expert)
         if observer is not None:
             observer(f"blk.{i}.router", logits)
         probs = router_softmax(logits, xp=xp) if e.gating == Gating.SOFTMAX else logits
@@ -711,13 +755,17 @@ class Model:
         weights = expert_weights(
             probs, selected, e.gating, c.expert_weights_norm, c.expert_weights_scale, xp=xp
         )  # (T, k)
-        up = expert_matmul(be, x, layer.ffn_up_exps, selected)  # (T, k, n_ff_exp)
+        flat = xp.reshape(selected, (-1,))  # (T*k,) for the experts' biases
+        up = self._experts(x, layer.ffn_up_exps, layer.ffn_up_exps_bias, selected, flat)
         if layer.ffn_gate_exps is None:  # no gate: the activation of up alone
             h = self.activation(up, xp=xp)
         else:
-            gate = expert_matmul(be, x, layer.ffn_gate_exps, selected)  # (T, k, n_ff_exp)
-            h = self.activation(gate, xp=xp) * up
-        down = expert_matmul(be, h, layer.ffn_down_exps, selected)  # (T, k, n_embd)
+            gate = self._experts(x, layer.ffn_gate_exps, layer.ffn_gate_exps_bias, selected, flat)
+            if e.activation == ExpertActivation.SWIGLU_OAI:
+                h = swiglu_oai(gate, up, xp=xp)
+            else:
+                h = self.activation(gate, xp=xp) * up  # (T, k, n_ff_exp)
+        down = self._experts(h, layer.ffn_down_exps, layer.ffn_down_exps_bias, selected, flat)
         down = down * weights[:, :, None]  # (T, k, n_embd)
         out = down[:, 0, :]  # (T, n_embd)
         for s in range(1, k):  # one add per slot, in slot order, as ggml's chain of adds
@@ -725,6 +773,17 @@ class Model:
         if layer.ffn_up_shexp is not None:  # after the routed experts, as llama.cpp adds it
             out = out + self._shared_expert(x, layer, e)
         return out
+
+    def _experts(
+        self, x: Array, ws: Sequence[Any] | None, bias: Array, selected: Array, flat: Array
+    ) -> Array:
+        """Each token's products with its selected experts (T, k, rows), plus each selected
+        expert's bias row where the file has biases (ggml_add_id)."""
+        assert ws is not None
+        y = expert_matmul(self.backend, x, ws, selected)  # (T, k, rows)
+        if bias is None:
+            return y
+        return y + self.xp.reshape(self.xp.take(bias, flat, axis=0), y.shape)
 
     def _shared_expert(self, x: Array, layer: LayerWeights, e: Experts) -> Array:
         """The always-on expert (T, n_embd); qwen2moe's is gated by silu(g)/g, llama.cpp's
