@@ -245,7 +245,7 @@ def oracle_moe(m: Any, x: np.ndarray, i: int) -> np.ndarray:
     return out
 
 
-@pytest.mark.parametrize("weight_type", ["Q8_0", "Q4_0"])
+@pytest.mark.parametrize("weight_type", ["Q8_0", "Q4_0", "MXFP4"])
 @pytest.mark.parametrize("name", MOE)
 def test_the_batched_block_equals_the_oracle_bit_for_bit(
     name: str, weight_type: str, tmp_path: Path
