@@ -491,3 +491,21 @@ def test_a_sink_joins_the_sum_only(ns: str) -> None:
     assert got[0, 2] == 0.0
     # the sink (3 over scores 1 and 2) keeps 1 / (1 + e^-1 + e^-2) of the first row's mass
     assert abs(float(got[0].sum()) - (1 - 1 / (1 + np.exp(-1) + np.exp(-2)))) < 1e-6
+
+
+def test_an_arithmetic_policy_routes_every_expert_of_a_tensor(tmp_path: Path) -> None:
+    """A pattern naming a 3-D expert tensor routes all its experts: the experts in the CPU
+    arithmetic, the rest in f32, give the CPU arithmetic's expert products."""
+    path = tmp_path / "q.gguf"
+    write_tiny(path, dataclasses.replace(FAMILIES["qwen3moe"], weight_type="Q8_0"))
+    policy = {"blk.*_exps.weight": "q8", "*": "f32"}
+    mixed = qllama.load(path, backend="numpy", arithmetic=policy)
+    cpu = qllama.load(path, backend="numpy")
+    routed = mixed.weights.layers[0].ffn_up_exps
+    assert len(routed) == 4 and {r.arithmetic for r in routed} == {"q8"}
+    assert mixed.weights.layers[0].ffn_gate_inp.arithmetic == "f32"
+    x = np.random.default_rng(5).standard_normal((6, 64)).astype(np.float32)
+    sel = np.array([[0, 1], [2, 3], [1, 0], [3, 2], [0, 3], [2, 1]], np.int32)
+    got = expert_matmul(mixed.backend, x, routed, sel)
+    want = expert_matmul(cpu.backend, x, cpu.weights.layers[0].ffn_up_exps, sel)
+    np.testing.assert_array_equal(got, want)
