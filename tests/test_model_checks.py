@@ -113,7 +113,7 @@ def test_the_unmodified_file_loads_and_runs(tiny: Path) -> None:
         (DROP, "general.architecture is missing or not a string"),
         (u32(1), "general.architecture is missing or not a string"),
         (GGUFValue(ValueType.ARRAY, ["llama"], ValueType.STRING), "missing or not a string"),
-        ("mamba", "unsupported architecture 'mamba'; qllama runs gemma2, gemma3, granite, llama"),
+        ("mamba", "unsupported architecture 'mamba'; qllama runs gemma2, gemma3, gpt-oss, granite"),
         ("", "unsupported architecture ''"),
     ],
 )

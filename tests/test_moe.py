@@ -509,3 +509,25 @@ def test_an_arithmetic_policy_routes_every_expert_of_a_tensor(tmp_path: Path) ->
     got = expert_matmul(mixed.backend, x, routed, sel)
     want = expert_matmul(cpu.backend, x, cpu.weights.layers[0].ffn_up_exps, sel)
     np.testing.assert_array_equal(got, want)
+
+
+def test_the_imatrix_collects_each_expert_apart() -> None:
+    """llama-imatrix on mul_mat_id (moe_kv_recipes.md 2.7): whatever the rows, each (slot,
+    token) adds its row's squares to its expert's slice and 1 to its count, slots outer."""
+    from qllama.measure.importance import Collector
+
+    inner = get_backend("numpy")
+    c = Collector(inner)
+    rng = np.random.default_rng(2)
+    raw, _ = _experts(inner, rng, "Q8_0", 3, 32, 64)
+    experts = [c.prepare(w.tensor) for w in raw]
+    x = rng.standard_normal((2, 64)).astype(np.float32)  # 2 rows: under 16, still collected
+    sel = np.array([[2, 0], [2, 1]], np.int32)
+    expert_matmul(c, x, experts, sel)
+    want = np.zeros((3, 64), np.float32)
+    for s in range(2):
+        for t in range(2):
+            want[sel[t, s]] += x[t] * x[t]
+    np.testing.assert_array_equal(c.expert_sums["blk.0.ffn_up_exps.weight"], want)
+    assert c.expert_counts["blk.0.ffn_up_exps.weight"].tolist() == [1, 1, 2]
+    assert not c.sums  # nothing filed as a dense product
