@@ -165,22 +165,17 @@ def _vocabulary_metadata(kind: str) -> dict[str, Any]:
     raise ValueError(f"unknown synthetic vocabulary {kind!r} (known: 'gpt2', 'llama')")
 
 
-def expert_widths(cfg: TinyConfig) -> dict[str, int]:
-    """The mixture fields of the config qllama reads back (the family's defaults where
-    ``cfg`` writes no key)."""
+def expert_widths(cfg: TinyConfig) -> tuple[int, int, int, int]:
+    """n_expert, n_expert_used, n_ff_exp and n_ff_shexp as qllama reads them back (the
+    family's defaults where ``cfg`` writes no key; zeros for a dense model)."""
     e = architecture(cfg.arch).experts
     if e is None or not cfg.n_expert:
-        return {}
+        return 0, 0, 0, 0
     width = (
         cfg.n_ff if e.width == ExpertWidth.FFN else cfg.n_ff_exp or cfg.n_ff // cfg.n_expert_used
     )
     shared = cfg.n_ff_shexp or (cfg.n_ff if e.shared == SharedExpert.GATED else 0)
-    return {
-        "n_expert": cfg.n_expert,
-        "n_expert_used": cfg.n_expert_used,
-        "n_ff_exp": width,
-        "n_ff_shexp": shared,
-    }
+    return cfg.n_expert, cfg.n_expert_used, width, shared
 
 
 # the router is float32 in every converted file: the converter forces it, llama-quantize
@@ -190,6 +185,7 @@ F32_WEIGHTS = ("ffn_gate_inp.weight",)
 
 def model_config(cfg: TinyConfig, n_vocab: int) -> ModelConfig:
     """The config qllama reads back from the file (enough of it for the tensor shapes)."""
+    n_expert, used, width, shared = expert_widths(cfg)
     return ModelConfig(
         n_vocab=n_vocab,
         n_embd=cfg.n_embd,
@@ -204,7 +200,10 @@ def model_config(cfg: TinyConfig, n_vocab: int) -> ModelConfig:
         key_length=cfg.head_dim,
         value_length=cfg.head_dim,
         n_rot=cfg.n_rot,
-        **expert_widths(cfg),
+        n_expert=n_expert,
+        n_expert_used=used,
+        n_ff_exp=width,
+        n_ff_shexp=shared,
     )
 
 
