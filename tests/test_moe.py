@@ -40,6 +40,7 @@ from qllama.runtime.model import (
     swiglu_oai,
     top_k,
 )
+from qllama.runtime.routing import stdsort_desc
 from qllama.synthetic import TinyConfig, write_tiny
 
 MOE = [name for name, c in FAMILIES.items() if c.n_expert]
@@ -219,7 +220,10 @@ def oracle_moe(m: Any, x: np.ndarray, i: int) -> np.ndarray:
     for t in range(x.shape[0]):
         softmax_first = e.gating == Gating.SOFTMAX
         probs = softmax(logits[t]) if softmax_first else logits[t]
-        order = sorted(range(c.n_expert), key=lambda j: (-probs[j], j))[: c.n_expert_used]
+        if c.n_expert > 16:  # libstdc++'s introsort (tests/test_routing.py checks the port)
+            order = stdsort_desc(probs)[: c.n_expert_used]
+        else:  # its insertion sort: equal values in index order
+            order = sorted(range(c.n_expert), key=lambda j: (-probs[j], j))[: c.n_expert_used]
         w = probs[order] if softmax_first else softmax(probs[order])
         if c.expert_weights_norm:
             w = w / max(w.sum(), np.float32(MIN_WEIGHT_SUM))
@@ -531,3 +535,20 @@ def test_the_imatrix_collects_each_expert_apart() -> None:
     np.testing.assert_array_equal(c.expert_sums["blk.0.ffn_up_exps.weight"], want)
     assert c.expert_counts["blk.0.ffn_up_exps.weight"].tolist() == [1, 1, 2]
     assert not c.sums  # nothing filed as a dense product
+
+
+def test_tied_routers_rank_as_llama_cpp(tmp_path: Path) -> None:
+    """20 experts whose router rows are all equal: every token's probabilities tie, and the
+    block takes libstdc++'s order of them (not the index order), as the oracle does."""
+    from test_model_checks import rewrite
+
+    src = tmp_path / "q.gguf"
+    cfg = dataclasses.replace(FAMILIES["qwen3moe"], n_expert=20, weight_type="Q8_0")
+    write_tiny(src, cfg)
+    row = np.random.default_rng(4).standard_normal((1, 64)).astype(np.float32)
+    same = {f"blk.{i}.ffn_gate_inp.weight": (np.repeat(row, 20, axis=0), "F32") for i in range(3)}
+    m = qllama.load(rewrite(src, tmp_path / "tied.gguf", tensors=same), backend="numpy")
+    x = np.random.default_rng(3).standard_normal((5, 64)).astype(np.float32)
+    assert stdsort_desc(np.full(20, 0.05, np.float32))[:2] != [0, 1]  # the orders differ here
+    for i in range(m.config.n_layer):
+        np.testing.assert_array_equal(m._moe(x, m.weights.layers[i], i), oracle_moe(m, x, i))

@@ -44,7 +44,7 @@ from qllama.errors import (
     SequenceError,
 )
 from qllama.gguf.reader import GGUFFile
-from qllama.runtime import generation
+from qllama.runtime import generation, routing
 from qllama.runtime.architectures import (
     Activation,
     ExpertActivation,
@@ -241,8 +241,8 @@ def router_softmax(x: Array, *, xp: Namespace) -> Array:
 def top_k(x: Array, k: int, *, xp: Namespace) -> Array:
     """The indices of the k largest values of each row (T, n) -> (T, k), the largest first,
     equal values by ascending index: ggml's argsort_top_k (a full descending std::sort), whose
-    libstdc++ insertion sort keeps that order for rows of up to 16 (docs/architectures.md says
-    where longer rows may order ties otherwise)."""
+    libstdc++ insertion sort keeps that order for rows of up to 16 (longer rows that meet a
+    tie: :func:`qllama.runtime.routing.break_ties`)."""
     return xp.argsort(-x, axis=-1, stable=True)[:, :k]  # -x: exact, so ties stay ties
 
 
@@ -752,6 +752,10 @@ class Model:
             observer(f"blk.{i}.router", logits)
         probs = router_softmax(logits, xp=xp) if e.gating == Gating.SOFTMAX else logits
         selected = top_k(probs, k, xp=xp)  # (T, k), the best first
+        if c.n_expert > routing.THRESHOLD:  # past 16, ggml's std::sort ranks ties its own way
+            ranked = routing.break_ties(to_numpy(probs), to_numpy(selected))
+            if ranked is not None:
+                selected = self.backend.asarray(ranked)
         weights = expert_weights(
             probs, selected, e.gating, c.expert_weights_norm, c.expert_weights_scale, xp=xp
         )  # (T, k)
