@@ -4,20 +4,25 @@ The model never learns a weight's type. At load it hands each 2-D weight, as the
 it, to ``backend.prepare`` (upload, repack or dequantize, once); in the forward pass it calls
 only ``backend.matmul(x, w)`` and ``backend.embedding(ids, w)``, and :func:`matmuls` for the
 products that share an input (Q, K and V; gate and up): one call of the backend's optional
-``matmuls(x, ws)`` where its class has one, else ``matmul`` on each. Everything else (norms,
-RoPE, attention) is array-API code run on ``backend.xp``, attention a block of queries at a
-time (``attention_bytes``, optional too), its scores by :func:`attention_scores` (the
-backend's optional ``attention_scores(q, k)``, else ``q @ k^T``).
+``matmuls(x, ws)`` where its class has one, else ``matmul`` on each; and :func:`expert_matmul`
+for a mixture of experts' products (ggml's ``mul_mat_id``: each token's rows times the experts
+the router chose for it), the backend's own ``expert_matmul`` where its class has one, else one
+``matmul`` per chosen expert over the rows routed to it. Everything else (norms, RoPE,
+attention) is array-API code run on ``backend.xp``, attention a block of queries at a time
+(``attention_bytes``, optional too), its scores by :func:`attention_scores` (the backend's
+optional ``attention_scores(q, k)``, else ``q @ k^T``).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import numpy as np
 
+from qllama.array_api import to_numpy
 from qllama.errors import BackendError, UnsupportedTensorTypeError
 from qllama.ggml_types import GGMLType
 
@@ -127,6 +132,43 @@ def matmuls(backend: Backend, x: Any, ws: Sequence[Any]) -> tuple[Any, ...]:
     if fused is None:
         return tuple(backend.matmul(x, w) for w in ws)
     return tuple(fused(backend, x, ws))
+
+
+def expert_matmul(backend: Backend, x: Any, experts: Sequence[Any], selected: Any) -> Any:
+    """ggml's ``mul_mat_id``: ``x[t] @ experts[selected[t, s]].T`` for every token ``t`` and
+    slot ``s``, ``(T, k, rows)``.
+
+    ``x`` is ``(T, K)`` (one row per token, shared by its k experts: up and gate) or
+    ``(T, k, K)`` (one row per token and slot: down); ``experts`` the prepared 2-D slices of a
+    3-D expert tensor; ``selected`` ``(T, k)`` expert ids. The backend's ``expert_matmul`` where
+    its class has one, else each chosen expert's products in one ``matmul`` over the rows
+    routed to it, bucketed as ggml buckets them (token-major, slot-minor), and no product for
+    an expert no token chose. Under the CPU arithmetic a row's product does not depend on the
+    other rows of the call (each row is quantized by itself, integer sums are exact), so this
+    is, bit for bit, the product of each (token, slot) alone (tests/test_moe.py).
+    """
+    own = getattr(type(backend), "expert_matmul", None)
+    if own is not None:
+        return own(backend, x, experts, selected)
+    xp = backend.xp
+    ids = np.asarray(to_numpy(selected)).astype(np.int64)  # (T, k)
+    T, k = ids.shape
+    flat = ids.reshape(-1)  # (T*k,) token-major, slot-minor
+    order = np.argsort(flat, kind="stable")  # the pairs grouped by expert, in ggml's order
+    rows = x.shape[-1]
+    x2 = xp.reshape(x, (T * k, rows)) if x.ndim == 3 else x  # (T*k or T, K)
+    source = order if x.ndim == 3 else order // k  # the row of x2 of each grouped pair
+    bounds = np.searchsorted(flat[order], np.arange(len(experts) + 1))
+    parts = []
+    for e, (a, b) in enumerate(itertools.pairwise(bounds.tolist())):
+        if a == b:
+            continue
+        idx = backend.asarray(source[a:b].astype(np.int32))
+        parts.append(backend.matmul(xp.take(x2, idx, axis=0), experts[e]))  # (b - a, n_out)
+    y = parts[0] if len(parts) == 1 else xp.concat(parts, axis=0)  # (T*k, n_out), grouped
+    back = backend.asarray(np.argsort(order).astype(np.int32))  # pair j's row of y
+    out = xp.take(y, back, axis=0)  # (T*k, n_out) token-major, slot-minor
+    return xp.reshape(out, (T, k, out.shape[-1]))
 
 
 def check_supported(backend: Backend, tensor: QuantTensor, types: frozenset[GGMLType]) -> None:

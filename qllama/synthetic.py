@@ -19,7 +19,7 @@ from qllama import quants
 from qllama.ggml_types import GGMLType, ValueType
 from qllama.gguf.reader import GGUFValue
 from qllama.gguf.writer import GGUFWriter
-from qllama.runtime.architectures import architecture
+from qllama.runtime.architectures import ExpertWidth, SharedExpert, architecture
 from qllama.runtime.config import ModelConfig
 
 CHAT_TEMPLATE = (
@@ -61,6 +61,11 @@ class TinyConfig:
     rope_freqs: bool = False  # a rope_freqs.weight (Llama 3.1 style), where the family has one
     fused_qkv: bool = False  # attn_qkv instead of attn_q/k/v (phi3 always)
     extra_keys: tuple[tuple[str, Any], ...] = ()  # more {arch}.* keys, e.g. softcaps
+    # a mixture of experts (the families with experts; llama: Mixtral); 0 experts: dense
+    n_expert: int = 0  # expert_count
+    n_expert_used: int = 2  # expert_used_count (written with expert_count)
+    n_ff_exp: int = 0  # expert_feed_forward_length (0: not written; the family's default)
+    n_ff_shexp: int = 0  # expert_shared_feed_forward_length (0: not written)
 
 
 def byte_tokens() -> list[str]:
@@ -160,8 +165,27 @@ def _vocabulary_metadata(kind: str) -> dict[str, Any]:
     raise ValueError(f"unknown synthetic vocabulary {kind!r} (known: 'gpt2', 'llama')")
 
 
+def expert_widths(cfg: TinyConfig) -> tuple[int, int, int, int]:
+    """n_expert, n_expert_used, n_ff_exp and n_ff_shexp as qllama reads them back (the
+    family's defaults where ``cfg`` writes no key; zeros for a dense model)."""
+    e = architecture(cfg.arch).experts
+    if e is None or not cfg.n_expert:
+        return 0, 0, 0, 0
+    width = (
+        cfg.n_ff if e.width == ExpertWidth.FFN else cfg.n_ff_exp or cfg.n_ff // cfg.n_expert_used
+    )
+    shared = cfg.n_ff_shexp or (cfg.n_ff if e.shared == SharedExpert.GATED else 0)
+    return cfg.n_expert, cfg.n_expert_used, width, shared
+
+
+# the router is float32 in every converted file: the converter forces it, llama-quantize
+# never quantizes it (moe_kv_recipes.md 1.2)
+F32_WEIGHTS = ("ffn_gate_inp.weight",)
+
+
 def model_config(cfg: TinyConfig, n_vocab: int) -> ModelConfig:
     """The config qllama reads back from the file (enough of it for the tensor shapes)."""
+    n_expert, used, width, shared = expert_widths(cfg)
     return ModelConfig(
         n_vocab=n_vocab,
         n_embd=cfg.n_embd,
@@ -176,6 +200,10 @@ def model_config(cfg: TinyConfig, n_vocab: int) -> ModelConfig:
         key_length=cfg.head_dim,
         value_length=cfg.head_dim,
         n_rot=cfg.n_rot,
+        n_expert=n_expert,
+        n_expert_used=used,
+        n_ff_exp=width,
+        n_ff_shexp=shared,
     )
 
 
@@ -232,23 +260,35 @@ def write_tiny(
         meta[f"{a}.attention.sliding_window"] = u32(cfg.sliding_window)
     if architecture(a).scales_logits_and_residuals:
         meta[f"{a}.logit_scale"] = f32(2.0)
+    if cfg.n_expert:
+        meta[f"{a}.expert_count"] = u32(cfg.n_expert)
+        meta[f"{a}.expert_used_count"] = u32(cfg.n_expert_used)
+    if cfg.n_ff_exp:
+        meta[f"{a}.expert_feed_forward_length"] = u32(cfg.n_ff_exp)
+    if cfg.n_ff_shexp:
+        meta[f"{a}.expert_shared_feed_forward_length"] = u32(cfg.n_ff_shexp)
     meta |= {f"{a}.{k}": v for k, v in cfg.extra_keys}
     for k, v in {**meta, **vocab_meta}.items():
         w.add(k, v)
     for name, shape in tensor_shapes(cfg, n_vocab).items():
-        if len(shape) == 1:
-            w.add_tensor(name, _vector(name, shape, rng), GGMLType.F32)
+        if len(shape) == 1 or name.endswith(".bias"):  # float vectors (and experts' biases)
+            w.add_tensor(name, _vector(name, shape, rng, cfg.scale), GGMLType.F32)
             continue
         x = (cfg.scale * rng.standard_normal(shape)).astype(np.float32)
-        w.add_tensor(name, quants.quantize(x, cfg.weight_type), cfg.weight_type, shape)
+        kind = "F32" if name.endswith(F32_WEIGHTS) else cfg.weight_type
+        w.add_tensor(name, quants.quantize(x, kind), kind, shape)
     w.write(path)
 
 
-def _vector(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+def _vector(
+    name: str, shape: tuple[int, ...], rng: np.random.Generator, scale: float
+) -> np.ndarray:
     """A 1-D tensor: norms near 1 (as trained models have them), biases near 0, RoPE
-    factors between 1 and 8 (as Llama 3.1's)."""
+    factors between 1 and 8 (as Llama 3.1's), a shared expert's gate vector as a weight."""
     if name == "rope_freqs.weight":
         return np.linspace(1.0, 8.0, shape[0], dtype=np.float32)
+    if name.endswith("ffn_gate_inp_shexp.weight"):
+        return (scale * rng.standard_normal(shape)).astype(np.float32)
     if name.endswith(".bias"):
         return (0.1 * rng.standard_normal(shape)).astype(np.float32)
     return (1 + 0.1 * rng.standard_normal(shape)).astype(np.float32)

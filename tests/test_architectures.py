@@ -65,6 +65,34 @@ FAMILIES: dict[str, TinyConfig] = {
     ),
     "olmo2": TinyConfig(arch="olmo2", tied=False, **BASE),
     "smollm3": TinyConfig(arch="smollm3", **{**BASE, "n_layer": 4}),
+    # mixtures of experts: 3-D experts, a few of them, top-2 (tests/test_moe.py has the rest)
+    "qwen3moe": TinyConfig(arch="qwen3moe", head_dim=32, n_expert=4, n_ff_exp=32, **BASE),
+    "qwen2moe": TinyConfig(
+        arch="qwen2moe", biases=True, tied=False, n_expert=4, n_ff_exp=32, n_ff_shexp=64, **BASE
+    ),
+    "mixtral": TinyConfig(arch="llama", n_expert=4, tied=False, **BASE),
+    "olmoe": TinyConfig(arch="olmoe", tied=False, n_expert=4, **{**BASE, "n_head_kv": 4}),
+    "granitemoe": TinyConfig(
+        arch="granitemoe",
+        n_expert=4,
+        n_ff_shexp=32,
+        extra_keys=(
+            ("embedding_scale", GGUFValue(ValueType.FLOAT32, 2.0)),
+            ("residual_scale", GGUFValue(ValueType.FLOAT32, 0.5)),
+            ("attention.scale", GGUFValue(ValueType.FLOAT32, 0.2)),
+        ),
+        **BASE,
+    ),
+    "gpt-oss": TinyConfig(
+        arch="gpt-oss",
+        tied=False,
+        biases=True,
+        head_dim=16,
+        sliding_window=4,
+        n_expert=4,
+        n_ff_exp=32,
+        **BASE,
+    ),
 }
 SETUPS = {
     "numpy-f32": ("numpy", {"activations": "f32"}),
@@ -238,7 +266,8 @@ def _write(tmp_path: Path, cfg: TinyConfig, **keys: Any) -> Path:
 
 
 REFUSED = [
-    ("moe", "llama", {"expert_count": GGUFValue(ValueType.UINT32, 8)}, "mixtures of experts"),
+    ("moe", "qwen2", {"expert_count": GGUFValue(ValueType.UINT32, 8)},
+     "qwen2.expert_count is 8: qllama computes no mixture of experts for qwen2"),
     ("yarn", "qwen2", {"rope.scaling.type": "yarn"}, "rope.scaling.type is 'yarn'"),
     ("longrope", "phi3", {"rope.scaling.type": "longrope"}, "is 'longrope'"),
     ("attn-factor", "phi3", {"rope.scaling.attn_factor": GGUFValue(ValueType.FLOAT32, 1.19)},

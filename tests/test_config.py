@@ -50,6 +50,10 @@ FAMILY: dict[str, dict[str, Any]] = {
         "rope.scaling.finetuned": GGUFValue(ValueType.BOOL, False),
     },
 }
+FAMILY["granitemoe"] = FAMILY["granite"]
+# the families with experts: 4 of them, top-2; the widths away from their fallbacks
+# (feed_forward_length 128 / 2 for the expert, 128 for qwen2moe's shared one)
+EXPERTS = {"n_expert": 4, "n_expert_used": 2, "n_ff_exp": 32, "n_ff_shexp": 96}
 # for one row, a base value that tells the key's presence apart: "none" (no scaling) where
 # the fallback is "linear" (and "linear" for every other row, so that the factor counts)
 FOR_ROW = {"rope.scaling.type": {"rope.scaling.type": "none"}}
@@ -106,8 +110,9 @@ def base_config(arch: str, key: str) -> TinyConfig:
         head_dim=16 if a.q_width_is_embd else 32,  # 64 / 4 = 16: the key written either way
         n_rot=8 if a.partial_rotary else 0,
         sliding_window=8 if arch in SLIDING else 0,
-        tied=arch != "olmo2",
+        tied=arch not in ("olmo2", "olmoe", "qwen2moe", "gpt-oss"),
         extra_keys=tuple(extra.items()),
+        **(EXPERTS if a.experts is not None and not a.experts.optional else {}),
     )
 
 

@@ -313,6 +313,25 @@ def test_experts_are_quantized_with_their_own_slice(tmp_path):
         np.testing.assert_array_equal(got[e], quants.quantize(x[e], "Q4_K", imatrix=qw[e]).ravel())
 
 
+def test_a_vector_padded_with_ones_stays_a_vector(tmp_path):
+    """The converter writes qwen2moe's ffn_gate_inp_shexp {n_embd} as [n_embd, 1]: llama.cpp
+    drops the trailing 1 (ggml_n_dims), keeps it F32 as any vector, and writes it as
+    [n_embd] (checked with llama-quantize on a converted Qwen2MoE file)."""
+    w = GGUFWriter()
+    w.add("general.architecture", "llama")
+    w.add("llama.block_count", 1)
+    gate = np.arange(64, dtype=np.float32).reshape(1, 64)  # numpy order of ne [64, 1]
+    w.add_tensor("blk.0.ffn_gate_inp_shexp.weight", gate, "F32")
+    w.add_tensor("blk.0.ffn_up.weight", np.ones((4, 64), np.float32), "F32")
+    w.write(tmp_path / "m.gguf")
+    quantize_file(tmp_path / "m.gguf", tmp_path / "q.gguf", "Q8_0")
+    f = read_gguf(tmp_path / "q.gguf")
+    t = f.tensors["blk.0.ffn_gate_inp_shexp.weight"]
+    assert t.ggml_type == GGMLType.F32 and t.ne == (64,)
+    np.testing.assert_array_equal(f.tensor_data(t.name).view("<f4"), gate.ravel())
+    assert f.tensors["blk.0.ffn_up.weight"].ggml_type == GGMLType.Q8_0
+
+
 def test_every_llama_quantize_name_parses():
     from qllama.gguf.quantizer import file_type
 

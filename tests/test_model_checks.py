@@ -113,7 +113,7 @@ def test_the_unmodified_file_loads_and_runs(tiny: Path) -> None:
         (DROP, "general.architecture is missing or not a string"),
         (u32(1), "general.architecture is missing or not a string"),
         (GGUFValue(ValueType.ARRAY, ["llama"], ValueType.STRING), "missing or not a string"),
-        ("mamba", "unsupported architecture 'mamba'; qllama runs gemma2, gemma3, granite, llama"),
+        ("mamba", "unsupported architecture 'mamba'; qllama runs gemma2, gemma3, gpt-oss, granite"),
         ("", "unsupported architecture ''"),
     ],
 )
@@ -327,9 +327,9 @@ WRONG_SHAPES = [
     ("ffn-up", "blk.0.ffn_up.weight", _f32((32, 32)), [32, 32], [64, 32]),
     ("ffn-down-transposed", "blk.1.ffn_down.weight", _f32((64, 32)), [64, 32], [32, 64]),
     ("token-embd-width", "token_embd.weight", _f32((N_VOCAB, 64)), [N_VOCAB, 64], [N_VOCAB, 32]),
-    ("norm-2d", "blk.0.attn_norm.weight", _f32((1, 32)), [1, 32], [32]),
+    ("norm-2d", "blk.0.attn_norm.weight", _f32((2, 32)), [2, 32], [32]),
     ("norm-long", "output_norm.weight", _f32((64,)), [64], [32]),
-    ("3-d", "blk.0.attn_v.weight", _f32((1, 16, 32)), [1, 16, 32], [16, 32]),
+    ("3-d", "blk.0.attn_v.weight", _f32((2, 16, 32)), [2, 16, 32], [16, 32]),
 ]  # fmt: skip
 
 
@@ -345,6 +345,24 @@ def test_E34_tensor_of_the_wrong_shape(
         rf"expected \[{', '.join(map(str, want))}\]"
     ):  # fmt: skip
         qllama.load(p)
+
+
+def test_E34_a_shape_padded_with_ones_is_the_shape(tiny: Path, tmp_path: Path) -> None:
+    """ggml pads every shape with 1s: llama.cpp loads ne [32, 1] as {32} and [32, 16, 1] as
+    {32, 16} (the converter writes qwen2moe's shared-expert gate so); so does qllama, with the
+    same numbers."""
+    f = qllama.read_gguf(tiny)
+    norm = f.tensor_data("blk.0.attn_norm.weight").view("<f4").reshape(1, 32)
+    v = f.tensors["blk.0.attn_v.weight"]
+    padded = {
+        "blk.0.attn_norm.weight": (norm.copy(), "F32"),
+        "blk.0.attn_v.weight": (f.tensor_data(v.name).copy(), v.ggml_type.name, (1, 16, 32)),
+    }
+    p = rewrite(tiny, tmp_path / "padded.gguf", tensors=padded)
+    assert qllama.read_gguf(p).tensors["blk.0.attn_v.weight"].ne == (32, 16, 1)
+    ids = [1, 2, 3, 4]
+    want = np.asarray(qllama.load(tiny).forward(ids, all_logits=True))
+    np.testing.assert_array_equal(np.asarray(qllama.load(p).forward(ids, all_logits=True)), want)
 
 
 def test_E34_norm_of_a_quantized_type(tiny: Path, tmp_path: Path) -> None:

@@ -266,10 +266,20 @@ def visit_order(names: list[str]) -> list[str]:
     return sorted(names, key=lambda n: (_layer_of(n), n.encode()))
 
 
+def ggml_dims(ne: tuple[int, ...]) -> tuple[int, ...]:
+    """``ne`` without its trailing 1s (ggml_n_dims): what llama.cpp loads and writes, so a
+    [64, 1] tensor (qwen2moe's ffn_gate_inp_shexp as the converter writes it) is {64}."""
+    n = len(ne)
+    while n > 1 and ne[n - 1] == 1:
+        n -= 1
+    return tuple(ne[:n])
+
+
 def allows_quantization(t: TensorInfo, arch: str | None = None) -> bool:
-    """2-D or larger weights, except norms and the small special tensors llama.cpp keeps."""
+    """2-D or larger weights (trailing 1s dropped), except norms and the small special
+    tensors llama.cpp keeps."""
     name = t.name
-    if len(t.ne) < 2 or not name.endswith("weight") or name in KEEP_NAMES:
+    if len(ggml_dims(t.ne)) < 2 or not name.endswith("weight") or name in KEEP_NAMES:
         return False
     fragments = KEEP_FRAGMENTS + KEEP_FRAGMENTS_BY_ARCH.get(arch or "", ())
     return not any(f in name for f in fragments)
@@ -940,7 +950,7 @@ def quantize_file(
         convert = _convert(f, t, new, qw)
         if progress is not None:
             convert = _announce(progress, i, len(types), t, new, convert)
-        w.add_tensor(name, convert, new, t.shape)
+        w.add_tensor(name, convert, new, tuple(reversed(ggml_dims(t.ne))))
     w.write(dst)
 
     counts: dict[str, int] = {}

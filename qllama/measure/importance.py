@@ -5,13 +5,14 @@ cut into chunks of ``n_ctx`` tokens (at least two are needed), each chunk run as
 its own with its first token replaced by BOS where the vocabulary adds one, and every matmul
 with at least 16 activation rows whose weight is named ``blk.*`` (and ``output.weight`` with
 ``process_output``) adds ``x[t, j]**2`` row by row in float32 to its sums, as llama-imatrix's
-callback does (:class:`Collector`, a backend wrapping another).
+callback does (:class:`Collector`, a backend wrapping another); every experts' product
+(``mul_mat_id``), whatever its rows, adds each row to the sums of the expert it went to.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -19,7 +20,7 @@ import numpy as np
 
 from qllama.array_api import to_numpy
 from qllama.backends import get_backend
-from qllama.backends.base import Backend
+from qllama.backends.base import Backend, expert_matmul
 from qllama.errors import ImatrixError
 from qllama.gguf.imatrix import DEFAULT_CTX, MIN_ROWS, Entry, ImportanceMatrix
 from qllama.runtime.loader import load
@@ -55,6 +56,9 @@ class Collector:
         self.process_output = process_output
         self.sums: dict[str, np.ndarray] = {}
         self.counts: dict[str, int] = {}
+        # experts (mul_mat_id): per weight, one row of sums and one count per expert
+        self.expert_sums: dict[str, np.ndarray] = {}
+        self.expert_counts: dict[str, np.ndarray] = {}
         self.name = f"imatrix({inner.name})"
 
     def __getattr__(self, attr: str) -> Any:  # xp, device, dequantize_all, asarray, supports
@@ -76,6 +80,25 @@ class Collector:
             if not np.isfinite(acc).all():
                 raise ImatrixError(f"non-finite activations entering '{w.name}'")
         return self.inner.matmul(x, w.inner)
+
+    def expert_matmul(self, x: Any, experts: Sequence[_Named], selected: Any) -> Any:
+        """ggml's mul_mat_id, collected as llama-imatrix collects it (moe_kv_recipes.md 2.7):
+        whatever the number of rows, each (slot, token) pair, slots outer, adds its row's
+        squares to the sums of the expert it was routed to, and 1 to that expert's count."""
+        name = experts[0].name
+        if collected(name, process_output=self.process_output):
+            rows = np.asarray(to_numpy(x), dtype=F32)  # (T, K) or (T, k, K)
+            ids = np.asarray(to_numpy(selected))  # (T, k)
+            acc = self.expert_sums.setdefault(name, np.zeros((len(experts), rows.shape[-1]), F32))
+            counts = self.expert_counts.setdefault(name, np.zeros(len(experts), np.int64))
+            for s in range(ids.shape[1]):
+                for t in range(ids.shape[0]):
+                    row = rows[t] if rows.ndim == 2 else rows[t, s]
+                    acc[ids[t, s]] += row * row
+                    counts[ids[t, s]] += 1
+            if not np.isfinite(acc).all():
+                raise ImatrixError(f"non-finite activations entering '{name}'")
+        return expert_matmul(self.inner, x, [w.inner for w in experts], selected)
 
 
 def tokenize(tokenizer: Any, text: str) -> list[int]:
@@ -145,6 +168,8 @@ def compute(
         )
         for name in sorted(backend.sums)
     }
+    for name in sorted(backend.expert_sums):  # one slice and one count per expert
+        entries[name] = Entry(backend.expert_sums[name].copy(), backend.expert_counts[name].copy())
     chunk_count = max((c // n_ctx for c in backend.counts.values()), default=0)
     return ImportanceMatrix(
         entries,

@@ -43,6 +43,12 @@ class Dims(Protocol):
     def head_dim_v(self) -> int: ...
     @property
     def rope_dim(self) -> int: ...
+    @property
+    def n_expert(self) -> int: ...
+    @property
+    def n_ff_exp(self) -> int: ...
+    @property
+    def n_ff_shexp(self) -> int: ...
 
 
 class RopeLayout(enum.Enum):
@@ -59,10 +65,61 @@ class Activation(enum.Enum):
     GELU_TANH = "gelu_tanh"  # GeGLU with the tanh approximation (gemma)
 
 
+class Gating(enum.Enum):
+    """How the router's logits become the experts' weights (llama.cpp's
+    ``llama_expert_gating_func_type``; the GGUF enum's numbers where it has them)."""
+
+    SOFTMAX = 1  # select on softmax(logits), weights gathered from it
+    SOFTMAX_WEIGHT = 3  # select on the logits, weights a softmax over the k selected (gpt-oss)
+
+
+class SharedExpert(enum.Enum):
+    """An always-on expert added to the routed ones (``*_shexp`` tensors)."""
+
+    NONE = "none"
+    GATED = "gated"  # times sigmoid(x . ffn_gate_inp_shexp), spelled silu(g)/g (qwen2moe)
+    UNGATED = "ungated"  # added as it is, where expert_shared_feed_forward_length > 0 (granite)
+
+
+class ExpertWidth(enum.Enum):
+    """Which key sizes an expert's hidden layer."""
+
+    FFN = "ffn"  # feed_forward_length (Mixtral, olmoe, granitemoe)
+    EXPERT_KEY = "expert_key"  # expert_feed_forward_length, else feed_forward_length / k (qwen)
+    EXPERT_KEY_REQUIRED = "expert_key_required"  # expert_feed_forward_length (gpt-oss)
+
+
+class ExpertActivation(enum.Enum):
+    """The experts' gated activation."""
+
+    FAMILY = "family"  # the architecture's own activation (SiLU): act(gate) * up
+    # gpt-oss's SWIGLU_OAI: g = min(gate, 7), u = clip(up, -7, 7), g / (1 + exp(-1.702 g)) * (u + 1)
+    SWIGLU_OAI = "swiglu_oai"
+
+
+@dataclass(frozen=True)
+class Experts:
+    """A mixture-of-experts FFN (llama.cpp's ``build_moe_ffn`` as the family calls it): the
+    gating, whether the top-k weights are normalised to sum 1, the shared expert, and which
+    tensors are optional. Every block of such a file is a mixture (none of these families has
+    dense leading layers)."""
+
+    gating: Gating = Gating.SOFTMAX
+    norm: bool = False  # expert_weights_norm, fixed per family (the key is not read)
+    shared: SharedExpert = SharedExpert.NONE
+    width: ExpertWidth = ExpertWidth.EXPERT_KEY
+    gate_optional: bool = False  # ffn_gate_exps may be absent: act(up) alone (llama, granite)
+    optional: bool = False  # the family is dense unless expert_count is set (llama)
+    activation: ExpertActivation = ExpertActivation.FAMILY
+    biases: bool = False  # a router bias and per-expert biases (gpt-oss)
+
+
 class Norms(enum.Enum):
     """Where the RMSNorms of a block sit."""
 
     PRE = "pre"  # x + f(norm(x)): attn_norm, ffn_norm
+    # as PRE, the FFN's norm stored as post_attention_norm (gpt-oss)
+    PRE_FFN_AS_POST_ATTENTION = "pre_ffn_as_post_attention"
     SANDWICH = "sandwich"  # x + post_norm(f(norm(x))): gemma2/3
     POST = "post"  # x + post_norm(f(x)): olmo2 (no pre-norms at all)
 
@@ -109,6 +166,9 @@ class Tensor:
     name: str
     shape: Callable[[Dims], tuple[int, ...]]
     required: bool = True
+    # the model's field it fills, where not the one its name says (gpt-oss's pre-FFN norm is
+    # named post_attention_norm)
+    field: str | None = None
 
     def at(self, i: int) -> str:
         return self.name.format(i=i)
@@ -127,6 +187,13 @@ _O = lambda c: (c.n_embd, c.n_head * c.head_dim_v)  # noqa: E731
 _GATE = lambda c: (c.n_ff, c.n_embd)  # noqa: E731
 _GATE_UP = lambda c: (2 * c.n_ff, c.n_embd)  # noqa: E731  gate rows first, then up
 _DOWN = lambda c: (c.n_embd, c.n_ff)  # noqa: E731
+
+
+_ROUTER = lambda c: (c.n_expert, c.n_embd)  # noqa: E731
+_EXP_GATE = lambda c: (c.n_expert, c.n_ff_exp, c.n_embd)  # noqa: E731  (expert, out, in)
+_EXP_DOWN = lambda c: (c.n_expert, c.n_embd, c.n_ff_exp)  # noqa: E731
+_SH_GATE = lambda c: (c.n_ff_shexp, c.n_embd)  # noqa: E731
+_SH_DOWN = lambda c: (c.n_embd, c.n_ff_shexp)  # noqa: E731
 
 
 def _rows(shape: Callable[[Dims], tuple[int, ...]]) -> Callable[[Dims], tuple[int]]:
@@ -160,7 +227,39 @@ ATTN_OUTPUT_BIAS = (Tensor("blk.{i}.attn_output.bias", _rows(_O), required=False
 ROPE_FREQS = (Tensor("rope_freqs.weight", lambda c: (c.rope_dim // 2,), required=False),)
 OUTPUT_BIAS = (Tensor("output.bias", lambda c: (c.n_vocab,), required=False),)
 
+
+def expert_tensors(e: Experts, c: Dims) -> list[Tensor]:
+    """The FFN tensors of a mixture-of-experts block: router, 3-D experts, shared expert."""
+    out = [
+        Tensor("blk.{i}.ffn_gate_inp.weight", _ROUTER),
+        Tensor("blk.{i}.ffn_gate_exps.weight", _EXP_GATE, required=not e.gate_optional),
+        Tensor("blk.{i}.ffn_up_exps.weight", _EXP_GATE),
+        Tensor("blk.{i}.ffn_down_exps.weight", _EXP_DOWN),
+    ]
+    if e.shared == SharedExpert.GATED or (e.shared == SharedExpert.UNGATED and c.n_ff_shexp):
+        out += [
+            Tensor("blk.{i}.ffn_gate_shexp.weight", _SH_GATE),
+            Tensor("blk.{i}.ffn_up_shexp.weight", _SH_GATE),
+            Tensor("blk.{i}.ffn_down_shexp.weight", _SH_DOWN),
+        ]
+    if e.shared == SharedExpert.GATED:
+        out.append(Tensor("blk.{i}.ffn_gate_inp_shexp.weight", _embd))
+    if e.biases:
+        out += [
+            Tensor("blk.{i}.ffn_gate_inp.bias", lambda c: (c.n_expert,)),
+            Tensor("blk.{i}.ffn_gate_exps.bias", lambda c: (c.n_expert, c.n_ff_exp)),
+            Tensor("blk.{i}.ffn_up_exps.bias", lambda c: (c.n_expert, c.n_ff_exp)),
+            Tensor("blk.{i}.ffn_down_exps.bias", lambda c: (c.n_expert, c.n_embd)),
+        ]
+    return out
+
+
 PRE_NORMS = (Tensor("blk.{i}.attn_norm.weight", _embd), Tensor("blk.{i}.ffn_norm.weight", _embd))
+OAI_NORMS = (
+    Tensor("blk.{i}.attn_norm.weight", _embd),
+    Tensor("blk.{i}.post_attention_norm.weight", _embd, field="ffn_norm"),
+)
+ATTN_SINKS = (Tensor("blk.{i}.attn_sinks.weight", lambda c: (c.n_head,)),)
 POST_NORMS = (
     Tensor("blk.{i}.post_attention_norm.weight", _embd),
     Tensor("blk.{i}.post_ffw_norm.weight", _embd),
@@ -211,11 +310,14 @@ class Architecture:
     rope_off_unless_finetuned: bool = False  # rope.scaling.finetuned = false: no RoPE (granite)
     nope_every: int = 0  # layers with (il + 1) % n skip RoPE (smollm3: 4, fixed in llama.cpp)
     refused_keys: tuple[str, ...] = ()  # keys of features qllama does not compute
+    experts: Experts | None = None  # a mixture-of-experts FFN (with expert_count, if optional)
 
     def tensors(self, c: Dims, *, fused_qkv: bool) -> list[Tensor]:
         """Every tensor the model may use, the per-block ones once per block."""
         block: list[Tensor] = []
-        if self.norms != Norms.POST:
+        if self.norms == Norms.PRE_FFN_AS_POST_ATTENTION:
+            block += OAI_NORMS
+        elif self.norms != Norms.POST:
             block += PRE_NORMS
         block += FUSED_QKV if fused_qkv else SEPARATE_QKV
         if self.qk_norm != QKNorm.NONE:
@@ -225,11 +327,18 @@ class Architecture:
                 Tensor("blk.{i}.attn_k_norm.weight", k_shape),
             ]
         block.append(Tensor("blk.{i}.attn_output.weight", _O))
-        if self.norms != Norms.PRE:
+        if self.norms in (Norms.SANDWICH, Norms.POST):
             block += POST_NORMS
-        block += FUSED_GATE_UP if self.fused_gate_up else SEPARATE_GATE_UP
-        block.append(Tensor("blk.{i}.ffn_down.weight", _DOWN))
+        moe = self.experts is not None and c.n_expert > 0
+        if moe:
+            assert self.experts is not None
+            block += expert_tensors(self.experts, c)
+        else:
+            block += FUSED_GATE_UP if self.fused_gate_up else SEPARATE_GATE_UP
+            block.append(Tensor("blk.{i}.ffn_down.weight", _DOWN))
         per_block = [t for t in self.extra_tensors if "{i}" in t.name]
+        if moe:  # the dense FFN's biases have no place in a mixture
+            per_block = [t for t in per_block if not t.name.startswith("blk.{i}.ffn_")]
         glob = [t for t in self.extra_tensors if "{i}" not in t.name]
         out = [Tensor("token_embd.weight", lambda c: (c.n_vocab, c.n_embd))]
         out.append(Tensor("output_norm.weight", _embd))
@@ -243,7 +352,7 @@ class Architecture:
             )
         out += glob
         for i in range(c.n_layer):
-            out += [Tensor(t.at(i), t.shape, t.required) for t in block + per_block]
+            out += [Tensor(t.at(i), t.shape, t.required, t.field) for t in block + per_block]
         return out
 
 
@@ -259,7 +368,13 @@ ARCHITECTURES: dict[str, Architecture] = {
     a.name: a
     for a in (
         # Llama 2/3.x, Mistral 7B/Nemo/Small (the converter names them "llama"), SmolLM2
-        Architecture("llama", RopeLayout.ADJACENT, extra_tensors=LLAMA_OPTIONAL),
+        # ... and Mixtral: llama with llama.expert_count set (llama.cpp's llama.cpp graph)
+        Architecture(
+            "llama",
+            RopeLayout.ADJACENT,
+            extra_tensors=LLAMA_OPTIONAL,
+            experts=Experts(norm=True, width=ExpertWidth.FFN, gate_optional=True, optional=True),
+        ),
         Architecture(
             "mistral3",
             RopeLayout.ADJACENT,
@@ -329,7 +444,69 @@ ARCHITECTURES: dict[str, Architecture] = {
             swa_rope_base_key=False,
         ),
         Architecture("smollm3", RopeLayout.ADJACENT, nope_every=4),
+        # mixtures of experts (shared/reference/moe_kv_recipes.md 1.10)
+        Architecture(
+            "qwen3moe",
+            RopeLayout.HALVES,
+            qk_norm=QKNorm.PER_HEAD,
+            experts=Experts(norm=True),
+        ),
+        Architecture(
+            "qwen2moe",
+            RopeLayout.HALVES,
+            q_width_is_embd=True,
+            output=Output.REQUIRED,
+            experts=Experts(shared=SharedExpert.GATED),
+        ),
+        Architecture(
+            "olmoe",
+            RopeLayout.HALVES,
+            qk_norm=QKNorm.WHOLE,
+            output=Output.REQUIRED,
+            experts=Experts(width=ExpertWidth.FFN),
+        ),
+        Architecture(
+            "granitemoe",
+            RopeLayout.ADJACENT,
+            embedding=Embedding.KEY,
+            query_scale=QueryScale.KEY,
+            extra_tensors=ATTN_OUTPUT_BIAS,
+            scales_logits_and_residuals=True,
+            rope_off_unless_finetuned=True,
+            experts=Experts(
+                norm=True,
+                shared=SharedExpert.UNGATED,
+                width=ExpertWidth.FFN,
+                gate_optional=True,
+            ),
+        ),
+        # attention sinks, alternating sliding layers (even ones slide), the clamped SwiGLU,
+        # biased router and experts, a softmax over the selected logits (openai-moe.cpp);
+        # its YaRN RoPE is refused with rope.scaling.type like every family's
+        Architecture(
+            "gpt-oss",
+            RopeLayout.HALVES,
+            norms=Norms.PRE_FFN_AS_POST_ATTENTION,
+            extra_tensors=ATTN_OUTPUT_BIAS + ATTN_SINKS,
+            swa_pattern=2,
+            output=Output.REQUIRED,
+            experts=Experts(
+                gating=Gating.SOFTMAX_WEIGHT,
+                width=ExpertWidth.EXPERT_KEY_REQUIRED,
+                activation=ExpertActivation.SWIGLU_OAI,
+                biases=True,
+            ),
+        ),
     )
+}
+
+# families with experts that qllama knows of and does not compute: what each one lacks
+REFUSED_ARCHITECTURES: dict[str, str] = {
+    "deepseek2": "multi-head latent attention (MLA), sigmoid gating with a selection bias, "
+    "grouped top-k and dense leading layers are not implemented",
+    "qwen3next": "hybrid recurrent layers (gated delta net) are not implemented",
+    "jamba": "hybrid recurrent (Mamba) layers are not implemented",
+    "granitehybrid": "hybrid recurrent (Mamba-2) layers are not implemented",
 }
 
 
@@ -337,6 +514,10 @@ def architecture(name: str) -> Architecture:
     """The declaration of ``general.architecture`` ``name``; a :class:`ModelConfigError` that
     lists what qllama runs for anything else."""
     arch = ARCHITECTURES.get(name)
+    if arch is None and name in REFUSED_ARCHITECTURES:
+        raise ModelConfigError(
+            f"architecture '{name}' is not supported: {REFUSED_ARCHITECTURES[name]}"
+        )
     if arch is None:
         raise ModelConfigError(
             f"unsupported architecture '{name}'; qllama runs {', '.join(sorted(ARCHITECTURES))}"

@@ -3,7 +3,8 @@
 :meth:`ModelConfig.from_gguf` reads the keys llama.cpp reads for the file's architecture
 (:mod:`qllama.runtime.architectures`), with llama.cpp's defaults, and refuses any value qllama would
 not compute exactly: a scaling type it does not implement (YaRN, LongRoPE), a mixture of
-experts, a key of a feature it lacks.
+experts in a family declared without one, a routing it does not compute (grouped top-k, dense
+leading layers, another gating), a key of a feature it lacks.
 """
 
 from __future__ import annotations
@@ -18,17 +19,21 @@ from qllama.errors import ModelConfigError
 from qllama.ggml_types import FLOAT_VALUE_TYPES, INTEGER_VALUE_TYPES, ValueType
 from qllama.gguf.reader import GGUFFile
 from qllama.runtime.architectures import (
+    ARCHITECTURES,
     Architecture,
     Embedding,
+    ExpertWidth,
     LayerKind,
     QueryScale,
     Rope,
+    SharedExpert,
     architecture,
 )
 
 MAX_LAYERS = 512  # llama.cpp's LLAMA_MAX_LAYERS
 MAX_CONTEXT = 1 << 24
 MAX_WIDTH = 1 << 20
+MAX_EXPERTS = 1024  # llama.cpp's LLAMA_MAX_EXPERTS
 ROPE_SCALINGS = ("none", "linear")  # what qllama computes of rope.scaling.type
 
 
@@ -63,6 +68,14 @@ class ModelConfig:
     embedding_scale: float = 0.0  # token embeddings times this
     residual_scale: float = 0.0  # each block's attention and MLP outputs times this
     logit_scale: float = 0.0  # logits divided by this
+    # mixture of experts (0 experts: a dense FFN); the gating and the shared expert are the
+    # architecture's (features.experts)
+    n_expert: int = 0  # expert_count
+    n_expert_used: int = 0  # expert_used_count: k of the top-k
+    n_ff_exp: int = 0  # an expert's hidden width
+    n_ff_shexp: int = 0  # the shared expert's hidden width (0: none)
+    expert_weights_norm: bool = False  # the k weights divided by their (clamped) sum
+    expert_weights_scale: float = 0.0  # then multiplied by this (0 or 1: not at all)
 
     @property
     def features(self) -> Architecture:
@@ -170,10 +183,6 @@ class _Reader:
                 raise ModelConfigError(
                     f"{self.p}.{key} is set: qllama does not compute this feature of {self.p}"
                 )
-        if self.integer("expert_count", 0, 1 << 16, default=0) > 0:
-            raise ModelConfigError(
-                f"{self.p}.expert_count is set: mixtures of experts are not supported"
-            )
         scaling = self.text("rope.scaling.type", "linear")
         if scaling not in ROPE_SCALINGS:
             raise ModelConfigError(
@@ -186,6 +195,58 @@ class _Reader:
                 f"{self.p}.rope.scaling.attn_factor is {attn_factor}: scaled RoPE magnitudes "
                 "(LongRoPE, YaRN) are not supported"
             )
+
+    def experts(self, n_ff: int) -> dict[str, Any]:
+        """The mixture-of-experts fields of the config (none for a dense model); what qllama
+        does not compute of a routing is refused with its key and value."""
+        p, e = self.p, self.a.experts
+        n_expert = self.integer("expert_count", 0, MAX_EXPERTS, default=0)
+        if e is None:
+            if n_expert:
+                raise ModelConfigError(
+                    f"{p}.expert_count is {n_expert}: qllama computes no mixture of experts "
+                    f"for {p} (it does for "
+                    f"{', '.join(sorted(n for n, a in ARCHITECTURES.items() if a.experts))})"
+                )
+            return {}
+        if n_expert == 0:
+            if e.optional:
+                return {}
+            raise ModelConfigError(f"key not found: {p}.expert_count (or it is 0)")
+        used = self.integer("expert_used_count", 1, n_expert)
+        for key, dense in (
+            ("expert_group_count", 1),
+            ("leading_dense_block_count", 0),
+            ("moe_every_n_layers", 1),
+        ):
+            v = self.integer(key, 0, MAX_LAYERS * MAX_EXPERTS, default=dense)
+            if v > dense:
+                raise ModelConfigError(
+                    f"{p}.{key} is {v}: qllama computes every block of {p} as a mixture "
+                    "over all experts (no groups, no dense layers)"
+                )
+        gating = self.integer("expert_gating_func", 0, 255, default=0)
+        if gating not in (0, e.gating.value):
+            raise ModelConfigError(
+                f"{p}.expert_gating_func is {gating}: {p} gates with "
+                f"{e.gating.name.lower()} ({e.gating.value})"
+            )
+        if e.width == ExpertWidth.FFN:
+            width = n_ff
+        else:
+            fallback = n_ff // used if e.width == ExpertWidth.EXPERT_KEY else None
+            width = self.integer("expert_feed_forward_length", 1, MAX_WIDTH * 8, fallback)
+        shared = 0
+        if e.shared != SharedExpert.NONE:
+            default = n_ff if e.shared == SharedExpert.GATED else 0
+            shared = self.integer("expert_shared_feed_forward_length", 0, MAX_WIDTH * 8, default)
+        return {
+            "n_expert": n_expert,
+            "n_expert_used": used,
+            "n_ff_exp": width,
+            "n_ff_shexp": shared,
+            "expert_weights_norm": e.norm,
+        }
 
     def heads(self, n_embd: int) -> tuple[int, int, int, int, int]:
         """n_head, n_head_kv, key length, value length, n_rot (checked against each other)."""
@@ -291,13 +352,14 @@ class _Reader:
             emb = math.sqrt(n_embd)
         elif a.embedding == Embedding.KEY:
             emb = self.real("embedding_scale", 0.0, positive=False)
+        n_ff = self.integer("feed_forward_length", 1, MAX_WIDTH * 8)
         return ModelConfig(
             n_vocab=self.integer("vocab_size", 1, 1 << 24, default=n_vocab_default),
             n_embd=n_embd,
             n_layer=n_layer,
             n_head=n_head,
             n_head_kv=n_head_kv,
-            n_ff=self.integer("feed_forward_length", 1, MAX_WIDTH * 8),
+            n_ff=n_ff,
             n_ctx=self.integer("context_length", 1, MAX_CONTEXT),
             rope_base=base,
             eps=self.real("attention.layer_norm_rms_epsilon"),
@@ -314,4 +376,5 @@ class _Reader:
             embedding_scale=emb,
             residual_scale=(self.real("residual_scale", 0.0, positive=False) if scaled else 0.0),
             logit_scale=self.real("logit_scale") if scaled else 0.0,
+            **self.experts(n_ff),
         )

@@ -9,6 +9,7 @@ is NaN or infinite.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import warnings
@@ -31,6 +32,17 @@ from qllama.runtime.model import LayerWeights, Model, Weights
 FLOAT_1D_TYPES = ("F32", "F16", "BF16")  # norms, biases and rope_freqs are never quantized
 
 
+def is_vector(name: str, shape: tuple[int, ...]) -> bool:
+    """Whether a tensor is a float array of the forward pass (a norm, a bias, RoPE factors, a
+    shared expert's gate vector), not a weight a backend multiplies with."""
+    return len(shape) == 1 or name.endswith(".bias")
+
+
+def is_weight(name: str, shape: tuple[int, ...]) -> bool:
+    """Whether a tensor is a weight of products (2-D, or 3-D: one 2-D slice per expert)."""
+    return not is_vector(name, shape)
+
+
 def expected_tensors(c: ModelConfig, *, fused_qkv: bool = False) -> dict[str, Tensor]:
     """Every tensor the model may use, by name, as the architecture declares it."""
     return {t.name: t for t in c.features.tensors(c, fused_qkv=fused_qkv)}
@@ -51,10 +63,15 @@ def check_tensors(f: GGUFFile, c: ModelConfig) -> dict[str, TensorInfo]:
             continue
         shape = spec.shape(c)
         if t.shape != shape:
-            raise TensorShapeError(
-                f"tensor '{name}' has shape {list(t.shape)}, expected {list(shape)}"
-            )
-        if len(shape) == 1 and t.ggml_type.name not in FLOAT_1D_TYPES:
+            # ggml's shapes are padded with 1s: the converter writes qwen2moe's shared-expert
+            # gate {n_embd} as [n_embd, 1] (numpy (1, n_embd)), which llama.cpp loads as {n_embd}
+            padded = (1,) * (len(t.shape) - len(shape)) + shape
+            if t.shape != padded:
+                raise TensorShapeError(
+                    f"tensor '{name}' has shape {list(t.shape)}, expected {list(shape)}"
+                )
+            t = dataclasses.replace(t, ne=tuple(reversed(shape)))
+        if is_vector(name, shape) and t.ggml_type.name not in FLOAT_1D_TYPES:
             raise TensorShapeError(
                 f"tensor '{name}' is {t.ggml_type.name}; norm weights must be F32, F16 or BF16"
             )
@@ -230,7 +247,7 @@ def _build(
             f"{config.n_vocab} rows"
         )
     if arithmetic is not None:  # a backend per arithmetic, each weight routed at prepare
-        weights_2d = [name for name, t in tensors.items() if len(t.shape) == 2]
+        weights_2d = [name for name, t in tensors.items() if is_weight(name, t.shape)]
         be: Backend = policy_backend(
             backend,
             arithmetic,
@@ -246,21 +263,34 @@ def _build(
 
     def prepared(name: str) -> Any:
         t = tensors[name]
-        return be.prepare(
-            QuantTensor(name, t.ggml_type, (t.shape[0], t.shape[1]), f.tensor_data(name))
+        data = f.tensor_data(name)
+        if len(t.shape) == 2:
+            return be.prepare(QuantTensor(name, t.ggml_type, (t.shape[0], t.shape[1]), data))
+        # a 3-D expert tensor (n_expert, rows, row_length): each expert's slab by itself,
+        # a view of the file's bytes, under the tensor's name (the arithmetic policy's key)
+        n, rows, row_length = t.shape
+        slab = data.shape[0] // n
+        return tuple(
+            be.prepare(
+                QuantTensor(name, t.ggml_type, (rows, row_length), data[e * slab : (e + 1) * slab])
+            )
+            for e in range(n)
         )
 
     def value(name: str) -> Any:
         t = tensors[name]
-        return _norm(f, t, be) if len(t.shape) == 1 else prepared(name)
+        return _norm(f, t, be) if is_vector(name, t.shape) else prepared(name)
 
+    # the field each tensor fills: the one its name says, unless the declaration names another
+    fields = {t.name: t.field for t in expected_tensors(config).values() if t.field}
     parts: list[dict[str, Any]] = [{} for _ in range(config.n_layer)]
     top: dict[str, Any] = {}
     for name in tensors:
+        field = fields.get(name) or _field(name)
         if name.startswith("blk."):
-            parts[int(name.split(".")[1])][_field(name)] = value(name)
+            parts[int(name.split(".")[1])][field] = value(name)
         else:
-            top[_field(name)] = value(name)
+            top[field] = value(name)
     top.setdefault("output", top["token_embd"])  # tied: the embedding is the output matrix
     weights = Weights(layers=[LayerWeights(**p) for p in parts], **top)
     template = f.get("tokenizer.chat_template")

@@ -9,7 +9,10 @@ the backend; that is what lets one model measure several arithmetics.
 It never learns the architecture's name either: what differs between llama, qwen, phi3, gemma and
 the rest is read from the config (:mod:`qllama.runtime.architectures`): the RoPE layout and each
 layer's rotation and window, which norms and biases the weights have, the gate's activation, and the
-scalars (query scale, soft-caps, embedding, residual and logit scales).
+scalars (query scale, soft-caps, embedding, residual and logit scales); and, where the file has
+experts, the mixture's routing (the gating, the normalisation of the weights, the shared expert).
+A mixture's products go to the backend as ggml's ``mul_mat_id`` (:func:`expert_matmul`): which
+rows meet which expert is the backend's business, as any product is.
 
 RoPE follows the GGUF convention: convert_hf_to_gguf permutes the rows of Q and K of the
 llama-style architectures so that rotating adjacent pairs (x[2i], x[2i+1]) here equals
@@ -26,7 +29,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from qllama.array_api import Array, Namespace, Weight, to_numpy
-from qllama.backends.base import Backend, attention_bytes, attention_scores, matmuls
+from qllama.backends.base import (
+    Backend,
+    attention_bytes,
+    attention_scores,
+    expert_matmul,
+    matmuls,
+)
 from qllama.errors import (
     ChatTemplateError,
     ContextOverflowError,
@@ -35,8 +44,17 @@ from qllama.errors import (
     SequenceError,
 )
 from qllama.gguf.reader import GGUFFile
-from qllama.runtime import generation
-from qllama.runtime.architectures import Activation, QKNorm, Rope, RopeLayout
+from qllama.runtime import generation, routing
+from qllama.runtime.architectures import (
+    Activation,
+    ExpertActivation,
+    Experts,
+    Gating,
+    QKNorm,
+    Rope,
+    RopeLayout,
+    SharedExpert,
+)
 from qllama.runtime.chat_template import ChatTemplate
 from qllama.runtime.config import ModelConfig
 from qllama.runtime.generation import Generation
@@ -53,12 +71,13 @@ class LayerWeights:
 
     A field is None where the architecture or the file has no such tensor: the forward pass
     skips a missing norm or bias, and reads Q, K and V from ``attn_qkv`` when the file fuses
-    them. 2-D weights are as the backend prepared them, 1-D ones float32 arrays.
+    them. 2-D weights are as the backend prepared them, 1-D ones float32 arrays; a 3-D expert
+    tensor is a tuple of its experts' 2-D slices, each as the backend prepared it.
     """
 
     attn_output: Weight  # (n_embd, n_head * head_dim_v)
-    ffn_up: Weight  # (n_ff, n_embd); (2 n_ff, n_embd), gate rows first, when fused (phi3)
-    ffn_down: Weight  # (n_embd, n_ff)
+    ffn_up: Weight = None  # (n_ff, n_embd); (2 n_ff, n_embd), gate rows first, fused (phi3)
+    ffn_down: Weight = None  # (n_embd, n_ff)
     attn_q: Weight = None  # (n_head * head_dim, n_embd)
     attn_k: Weight = None  # (n_head_kv * head_dim, n_embd)
     attn_v: Weight = None  # (n_head_kv * head_dim_v, n_embd)
@@ -75,9 +94,23 @@ class LayerWeights:
     attn_v_bias: Array = None
     attn_qkv_bias: Array = None
     attn_output_bias: Array = None  # (n_embd,)
+    attn_sinks: Array = None  # (n_head,): a logit per head joining each softmax's sum (gpt-oss)
     ffn_gate_bias: Array = None  # (n_ff,)
     ffn_up_bias: Array = None
     ffn_down_bias: Array = None  # (n_embd,)
+    # a mixture of experts (then ffn_gate/up/down are None)
+    ffn_gate_inp: Weight = None  # the router (n_expert, n_embd)
+    ffn_gate_exps: tuple[Weight, ...] | None = None  # n_expert x (n_ff_exp, n_embd)
+    ffn_up_exps: tuple[Weight, ...] | None = None  # n_expert x (n_ff_exp, n_embd)
+    ffn_down_exps: tuple[Weight, ...] | None = None  # n_expert x (n_embd, n_ff_exp)
+    ffn_gate_shexp: Weight = None  # the shared expert (n_ff_shexp, n_embd)
+    ffn_up_shexp: Weight = None  # (n_ff_shexp, n_embd)
+    ffn_down_shexp: Weight = None  # (n_embd, n_ff_shexp)
+    ffn_gate_inp_shexp: Array = None  # (n_embd,): the shared expert's gate (qwen2moe)
+    ffn_gate_inp_bias: Array = None  # (n_expert,): the router's bias (gpt-oss)
+    ffn_gate_exps_bias: Array = None  # (n_expert, n_ff_exp): each expert's bias
+    ffn_up_exps_bias: Array = None  # (n_expert, n_ff_exp)
+    ffn_down_exps_bias: Array = None  # (n_expert, n_embd)
 
 
 @dataclass
@@ -195,6 +228,73 @@ def gelu_tanh(x: Array, *, xp: Namespace) -> Array:
 
 
 ACTIVATIONS = {Activation.SILU: silu, Activation.GELU_TANH: gelu_tanh}
+
+
+def router_softmax(x: Array, *, xp: Namespace) -> Array:
+    """The router's softmax over the last axis as ggml's CPU op computes it: exp(x - max),
+    times the reciprocal of the sum (not divided by the sum). No term is dropped, unlike
+    :func:`softmax`: a router row is a few dozen logits."""
+    e = xp.exp(x - xp.max(x, axis=-1, keepdims=True))
+    return e * (1.0 / xp.sum(e, axis=-1, keepdims=True))
+
+
+def top_k(x: Array, k: int, *, xp: Namespace) -> Array:
+    """The indices of the k largest values of each row (T, n) -> (T, k), the largest first,
+    equal values by ascending index: ggml's argsort_top_k (a full descending std::sort), whose
+    libstdc++ insertion sort keeps that order for rows of up to 16 (longer rows that meet a
+    tie: :func:`qllama.runtime.routing.break_ties`)."""
+    return xp.argsort(-x, axis=-1, stable=True)[:, :k]  # -x: exact, so ties stay ties
+
+
+def gather_rows(x: Array, idx: Array, *, xp: Namespace) -> Array:
+    """``x[t, idx[t, s]]`` for (T, n) values and (T, k) indices: (T, k)."""
+    T, n = x.shape
+    k = idx.shape[1]
+    rows = xp.arange(T, dtype=idx.dtype)[:, None] * n  # (T, 1)
+    flat = xp.reshape(rows + idx, (T * k,))  # (T*k,) offsets into the flattened x
+    return xp.reshape(xp.take(xp.reshape(x, (T * n,)), flat, axis=0), (T, k))
+
+
+# build_moe_ffn clamps the sum of the top-k weights from below before dividing by it
+MIN_WEIGHT_SUM = 2.0**-14
+
+
+def expert_weights(
+    probs: Array, selected: Array, gating: Gating, norm: bool, scale: float, *, xp: Namespace
+) -> Array:
+    """The weight of each token's selected experts (T, k), as build_moe_ffn computes it: the
+    gated values of the selected experts (a softmax over the k selected logits under
+    SOFTMAX_WEIGHT), divided by their sum (at least 2^-14) if ``norm``, times ``scale`` unless
+    it is 0 or 1."""
+    w = gather_rows(probs, selected, xp=xp)  # (T, k)
+    if gating == Gating.SOFTMAX_WEIGHT:
+        w = router_softmax(w, xp=xp)
+    if norm:
+        total = xp.sum(w, axis=-1, keepdims=True)  # (T, 1)
+        w = w / xp.where(total < MIN_WEIGHT_SUM, MIN_WEIGHT_SUM, total)
+    if scale not in (0.0, 1.0):
+        w = w * scale
+    return w
+
+
+def softmax_with_sink(x: Array, sink: Array, *, xp: Namespace) -> Array:
+    """Softmax over the last axis with one more logit per row, ``sink`` (broadcast against
+    ``x[..., :1]``), in the sum only (gpt-oss's attention sinks: not scaled, no value)."""
+    m = xp.maximum(xp.max(x, axis=-1, keepdims=True), sink)
+    d = x - m
+    e = xp.exp(xp.where(d < NEGLIGIBLE, -xp.inf, d))
+    return e / (xp.sum(e, axis=-1, keepdims=True) + xp.exp(sink - m))
+
+
+# gpt-oss's clamped SwiGLU (SWIGLU_OAI; the constants are fixed in llama.cpp's build_moe_ffn)
+OAI_ALPHA, OAI_LIMIT = 1.702, 7.0
+
+
+def swiglu_oai(gate: Array, up: Array, *, xp: Namespace) -> Array:
+    """min(gate, 7) / (1 + exp(-1.702 min(gate, 7))) * (clip(up, -7, 7) + 1)."""
+    g = xp.where(gate > OAI_LIMIT, OAI_LIMIT, gate)
+    u = xp.where(up > OAI_LIMIT, OAI_LIMIT, xp.where(up < -OAI_LIMIT, -OAI_LIMIT, up))
+    return g / (1.0 + xp.exp(OAI_ALPHA * -g)) * (u + 1.0)
 
 
 def softcap(x: Array, cap: float, *, xp: Namespace) -> Array:
@@ -396,7 +496,7 @@ class Model:
         if observer is not None:
             observer(f"blk.{i}.attn_out", h)
         x = x + self._residual(self._norm(h, layer.post_attention_norm))
-        h = self._mlp(self._norm(x, layer.ffn_norm), layer)
+        h = self._ffn(self._norm(x, layer.ffn_norm), layer, i, observer)
         if observer is not None:
             observer(f"blk.{i}.ffn_out", h)
         return x + self._residual(self._norm(h, layer.post_ffw_norm))
@@ -516,8 +616,9 @@ class Model:
         v = xp.reshape(v, (T, n_kv, hd_v))  # (T, n_kv, hd_v)
         if rot is not None:  # None: a layer without RoPE (smollm3's every fourth)
             q, k = self._rope(q, rot), self._rope(k, rot)
+        sinks = layer.attn_sinks  # None but in gpt-oss
         if len(segments) == 1:
-            out = self._attend(q, k, v, i, segments[0], window)
+            out = self._attend(q, k, v, i, segments[0], window, sinks)
         else:  # each sequence attends over its own cache: rows start..start+n of the batch
             out = xp.concat(
                 [
@@ -528,6 +629,7 @@ class Model:
                         i,
                         g,
                         window,
+                        sinks,
                     )
                     for g in segments
                 ],
@@ -535,7 +637,16 @@ class Model:
             )  # (T, n_head*hd_v)
         return self._linear(out, layer.attn_output, layer.attn_output_bias)
 
-    def _attend(self, q: Array, k: Array, v: Array, i: int, segment: Segment, window: int) -> Array:
+    def _attend(
+        self,
+        q: Array,
+        k: Array,
+        v: Array,
+        i: int,
+        segment: Segment,
+        window: int,
+        sinks: Array = None,
+    ) -> Array:
         """One sequence's attention: its queries (T, n_head, hd) over its cache, after writing
         its keys (T, n_kv, hd) and values (T, n_kv, hd_v) there; (T, n_head*hd_v)."""
         xp, c = self.xp, self.config
@@ -547,16 +658,19 @@ class Model:
         # choose another kernel, and round otherwise, for another block's shape)
         rows = max(1, self.attention_bytes // (4 * c.n_head * k.shape[1]))
         if rows >= T:
-            return self._attend_rows(q, k, v, mask, cache)
+            return self._attend_rows(q, k, v, mask, cache, sinks)
         blocks = [(a, min(a + rows, T)) for a in range(0, T, rows)]
         return xp.concat(
-            [self._attend_rows(q[a:b, ...], k, v, mask[a:b, ...], cache) for a, b in blocks],
+            [self._attend_rows(q[a:b, ...], k, v, mask[a:b, ...], cache, sinks) for a, b in blocks],
             axis=0,
         )  # (T, n_head*hd_v)
 
-    def _attend_rows(self, q: Array, k: Array, v: Array, mask: Array, cache: KVCache) -> Array:
+    def _attend_rows(
+        self, q: Array, k: Array, v: Array, mask: Array, cache: KVCache, sinks: Array = None
+    ) -> Array:
         """Queries (t, n_head, hd) over keys (n_kv, S, hd) and values (n_kv, S, hd_v) under
-        ``mask`` (t, S); (t, n_head*hd_v)."""
+        ``mask`` (t, S), with a sink logit per head (n_head,) where the model has them;
+        (t, n_head*hd_v)."""
         xp, c = self.xp, self.config
         t, hd, n_kv, n_rep, S = q.shape[0], c.head_dim, c.n_head_kv, c.n_rep, k.shape[1]
         # query head h reads kv head h // n_rep: one product per kv head over its query heads
@@ -569,7 +683,11 @@ class Model:
         scores = scores * c.query_scale
         if c.attn_softcap:
             scores = softcap(scores, c.attn_softcap, xp=xp)
-        p = cache.operand(softmax(scores + mask, xp=xp))  # (n_kv, n_rep, t, S)
+        if sinks is None:
+            p = softmax(scores + mask, xp=xp)  # (n_kv, n_rep, t, S)
+        else:  # query head h = kv * n_rep + r has sink h
+            p = softmax_with_sink(scores + mask, xp.reshape(sinks, (n_kv, n_rep, 1, 1)), xp=xp)
+        p = cache.operand(p)
         out = xp.matmul(xp.reshape(p, (n_kv, n_rep * t, S)), v)  # (n_kv, n_rep*t, hd_v)
         out = xp.reshape(out, (n_kv, n_rep, t, c.head_dim_v))  # (n_kv, n_rep, t, hd_v)
         return xp.reshape(
@@ -609,6 +727,78 @@ class Model:
             return self.rotate(x, *rot, xp=self.xp)
         turned = self.rotate(x[..., :n_rot], *rot, xp=self.xp)
         return self.xp.concat([turned, x[..., n_rot:]], axis=-1)
+
+    def _ffn(
+        self, x: Array, layer: LayerWeights, i: int, observer: Observer | None = None
+    ) -> Array:
+        """The block's feed-forward part: a mixture of experts where the layer has a router,
+        else the dense MLP."""
+        if layer.ffn_gate_inp is None:
+            return self._mlp(x, layer)
+        return self._moe(x, layer, i, observer)
+
+    def _moe(
+        self, x: Array, layer: LayerWeights, i: int, observer: Observer | None = None
+    ) -> Array:
+        """build_moe_ffn (shared/reference/moe_kv_recipes.md 1.2): route, weigh, the k experts'
+        SwiGLU products, summed in slot order (the best expert first); then the shared
+        expert."""
+        xp, c = self.xp, self.config
+        e = self.features.experts
+        assert e is not None  # a router is declared only with experts
+        k = c.n_expert_used
+        logits = self._linear(x, layer.ffn_gate_inp, layer.ffn_gate_inp_bias)  # (T, n_expert)
+        if observer is not None:
+            observer(f"blk.{i}.router", logits)
+        probs = router_softmax(logits, xp=xp) if e.gating == Gating.SOFTMAX else logits
+        selected = top_k(probs, k, xp=xp)  # (T, k), the best first
+        if c.n_expert > routing.THRESHOLD:  # past 16, ggml's std::sort ranks ties its own way
+            ranked = routing.break_ties(to_numpy(probs), to_numpy(selected))
+            if ranked is not None:
+                selected = self.backend.asarray(ranked)
+        weights = expert_weights(
+            probs, selected, e.gating, c.expert_weights_norm, c.expert_weights_scale, xp=xp
+        )  # (T, k)
+        flat = xp.reshape(selected, (-1,))  # (T*k,) for the experts' biases
+        up = self._experts(x, layer.ffn_up_exps, layer.ffn_up_exps_bias, selected, flat)
+        if layer.ffn_gate_exps is None:  # no gate: the activation of up alone
+            h = self.activation(up, xp=xp)
+        else:
+            gate = self._experts(x, layer.ffn_gate_exps, layer.ffn_gate_exps_bias, selected, flat)
+            if e.activation == ExpertActivation.SWIGLU_OAI:
+                h = swiglu_oai(gate, up, xp=xp)
+            else:
+                h = self.activation(gate, xp=xp) * up  # (T, k, n_ff_exp)
+        down = self._experts(h, layer.ffn_down_exps, layer.ffn_down_exps_bias, selected, flat)
+        down = down * weights[:, :, None]  # (T, k, n_embd)
+        out = down[:, 0, :]  # (T, n_embd)
+        for s in range(1, k):  # one add per slot, in slot order, as ggml's chain of adds
+            out = out + down[:, s, :]
+        if layer.ffn_up_shexp is not None:  # after the routed experts, as llama.cpp adds it
+            out = out + self._shared_expert(x, layer, e)
+        return out
+
+    def _experts(
+        self, x: Array, ws: Sequence[Any] | None, bias: Array, selected: Array, flat: Array
+    ) -> Array:
+        """Each token's products with its selected experts (T, k, rows), plus each selected
+        expert's bias row where the file has biases (ggml_add_id)."""
+        assert ws is not None
+        y = expert_matmul(self.backend, x, ws, selected)  # (T, k, rows)
+        if bias is None:
+            return y
+        return y + self.xp.reshape(self.xp.take(bias, flat, axis=0), y.shape)
+
+    def _shared_expert(self, x: Array, layer: LayerWeights, e: Experts) -> Array:
+        """The always-on expert (T, n_embd); qwen2moe's is gated by silu(g)/g, llama.cpp's
+        spelling of sigmoid(g), g = x . ffn_gate_inp_shexp (NaN where g is 0, as there)."""
+        xp = self.xp
+        gate, up = self._linears(x, (layer.ffn_gate_shexp, None), (layer.ffn_up_shexp, None))
+        sh = self._linear(self.activation(gate, xp=xp) * up, layer.ffn_down_shexp)  # (T, n_embd)
+        if e.shared != SharedExpert.GATED:
+            return sh
+        g = xp.matmul(x, layer.ffn_gate_inp_shexp[:, None])  # (T, 1)
+        return sh * (silu(g, xp=xp) / g)
 
     def _mlp(self, x: Array, layer: LayerWeights) -> Array:
         # down(act(gate(x)) * up(x)); phi3's ffn_up holds gate and up, gate in the first half

@@ -11,6 +11,8 @@ block; every value has one row per token of the call):
 ``blk.{i}.v``         ``x @ attn_v``, ``(T, n_head_kv * head_dim)``
 ``blk.{i}.attn_out``  the attention block's output (after ``attn_output``), before the residual
 ``blk.{i}.ffn_out``   the MLP's output (after ``ffn_down``), before the residual
+``blk.{i}.router``    a mixture of experts' router logits ``(T, n_expert)`` (with its bias),
+                      before the gating
 ``blk.{i}.out``       the residual stream after block ``i``
 ====================  ================================================================
 
