@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import importlib
 from collections.abc import Callable
 
 import numpy as np
@@ -34,7 +35,7 @@ def libm(name: str) -> Callable[[float], float]:
     lib = ctypes.CDLL(path) if path else ctypes.CDLL(None)
     fn = getattr(lib, name)
     fn.restype, fn.argtypes = ctypes.c_float, [ctypes.c_float]
-    return fn  # type: ignore[no-any-return]
+    return fn
 
 
 def fma(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
@@ -125,8 +126,8 @@ def one_chunk(
         return one_chunk_oracle(
             scores, mask, v, scale, softcap, f16_acc=f16_acc, fused_sum=fused_sum
         )
-    from qllama.backends.numpy.kernels import flash
-
+    # the kernels' package is typed loosely (numba); the module, imported by name
+    flash = importlib.import_module("qllama.backends.numpy.kernels.flash")
     out = np.empty((scores.shape[0], scores.shape[1], v.shape[2]), F32)
     flash.one_chunk(
         np.ascontiguousarray(scores, dtype=F32),

@@ -40,6 +40,7 @@ from qllama import quants
 from qllama.backends.base import QuantTensor
 from qllama.errors import BackendError
 from qllama.ggml_types import GGMLType
+from qllama.quants.base import Rounding
 from qllama.runtime import flash_attention
 from qllama.runtime.hadamard import fwht
 from qllama.runtime.kv_types import CACHE_TYPES, KVSpec
@@ -50,7 +51,7 @@ SPLIT_CELLS = 512  # single-token decode over this many cells runs split-KV
 
 
 @functools.cache
-def _cpu_backend(rounding: str) -> Any:
+def _cpu_backend(rounding: Rounding) -> Any:
     """The numpy backend computing the CPU arithmetic (Q quantized to the K type's
     vec_dot_type, integer block dots) with ``rounding`` (the arch quantize_row_q8_0's)."""
     from qllama.backends.numpy.dispatch import NumpyBackend
@@ -190,7 +191,9 @@ def _softmax_product(
     return np.matmul(np.reshape(p, (n_kv, rows, S)), v)  # (n_kv, rows, hd_v)
 
 
-def from_float(t: str, rows: np.ndarray, rounding: str) -> tuple[np.ndarray | None, np.ndarray]:
+def from_float(
+    t: str, rows: np.ndarray, rounding: Rounding
+) -> tuple[np.ndarray | None, np.ndarray]:
     """What a cache of type ``t`` stores for float32 ``rows`` (n, d): the bytes (None for a
     float type) and the values they hold, as ``type_traits_cpu[t].from_float`` writes them
     (Q8_0: the arch quantizer, ``rounding``; IQ4_NL: ``quantize_row_iq4_nl_ref``; the others

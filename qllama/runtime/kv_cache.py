@@ -32,6 +32,7 @@ from typing import Any
 from array_api_compat import is_numpy_namespace, is_torch_namespace
 
 from qllama.errors import BackendError
+from qllama.quants.base import Rounding
 from qllama.runtime import kv_types
 
 PRECISIONS = kv_types.LEGACY  # the named ones; kv_types.parse reads the general form
@@ -60,7 +61,7 @@ class KVCache:
         device: Any = None,
         precision: str = "f32",
         head_dim_v: int | None = None,
-        rounding: str = "ref",
+        rounding: Rounding = "ref",
     ) -> None:
         self.spec = kv_types.parse(precision)
         hd_v = head_dim if head_dim_v is None else head_dim_v

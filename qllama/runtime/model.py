@@ -36,6 +36,7 @@ from qllama.errors import (
     SequenceError,
 )
 from qllama.gguf.reader import GGUFFile
+from qllama.quants.base import Rounding
 from qllama.runtime import generation, kv_attention
 from qllama.runtime.architectures import Activation, QKNorm, Rope, RopeLayout
 from qllama.runtime.chat_template import ChatTemplate
@@ -224,7 +225,7 @@ class Model:
         chat_template: ChatTemplate | None = None,
         n_ctx: int | None = None,
         kv_precision: str = "f32",
-        kv_rounding: str = "ref",
+        kv_rounding: Rounding = "ref",
         trace_nonfinite: bool = False,
     ) -> None:
         self.config = config
