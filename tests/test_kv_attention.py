@@ -99,14 +99,25 @@ def test_short_batches_run_one_chunk(tiny64):
     assert np.abs(f16 - f32).max() < 64 * 2.0**-11 * np.abs(f32).max()
 
 
-def test_split_kv_decode_is_refused(tiny64):
+def test_split_kv_decode_needs_a_thread_count(tiny64):
+    """One query over 512 cells or more (past 256 positions) with an F16 cache runs
+    llama.cpp's split-KV kernel, whose numbers depend on its thread count: refused without
+    one, computed for the count ``,fa=N`` declares."""
+    prompt = list(range(3, 200)) + list(range(3, 80))  # 274 positions: n_kv 512
     m = qllama.load(tiny64, kv_precision="f16,fa")
-    m.forward(list(range(3, 200)) * 3)  # 591 positions, prefill: tiled
+    m.forward(prompt)
     with pytest.raises(BackendError, match="split-KV"):
-        m.forward([5], pos=591)
+        m.forward([5], pos=len(prompt))
+    steps = {}
+    for n in (2, 3):
+        m = qllama.load(tiny64, kv_precision=f"f16,fa={n}")
+        m.forward(prompt)
+        steps[n] = np.asarray(m.forward([5], pos=len(prompt)))
+    assert np.isfinite(steps[2]).all() and not np.array_equal(steps[2], steps[3])
+    assert np.abs(steps[2] - steps[3]).max() < 64 * 2.0**-11 * np.abs(steps[2]).max()
     q = qllama.load(tiny64, kv_precision="q8_0/q8_0,fa")  # block formats: one_chunk always
-    q.forward(list(range(3, 200)) * 3)
-    assert np.isfinite(np.asarray(q.forward([5], pos=591))).all()
+    q.forward(prompt)
+    assert np.isfinite(np.asarray(q.forward([5], pos=len(prompt)))).all()
 
 
 def test_load_refusals(tiny64, tmp_path):

@@ -80,6 +80,7 @@ BLOCK_TYPES = ["q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"]
         ("q8_0/f16", "q8_0", "f16", False, False),
         ("q8_0/q4_0,fa", "q8_0", "q4_0", True, False),
         ("f16,fa", "f16", "f16", True, False),
+        ("f16,fa=4", "f16", "f16", True, False),
     ],
 )
 def test_kv_specs_parse(spec, k, v, flash, legacy):
@@ -97,6 +98,8 @@ def test_kv_specs_parse(spec, k, v, flash, legacy):
         ("a/b/c", "must be one of"),
         ("q4_0", "quantized V cache requires flash_attn"),
         ("f16/iq4_nl", "quantized V cache requires flash_attn"),
+        ("f16,fa=0", "needs a thread count"),
+        ("f16,fa=x", "needs a thread count"),
     ],
 )
 def test_kv_specs_refused(spec, message):
@@ -273,8 +276,6 @@ def test_round_f16_is_numpys_half():
 @pytest.mark.parametrize("softcap", [0.0, 20.0])
 def test_one_chunk_compiled_is_the_oracle(f16_acc, fused_sum, softcap):
     pytest.importorskip("numba")
-    from qllama.backends.numpy.kernels import flash
-
     rng = np.random.default_rng(int(f16_acc) + 2 * int(fused_sum) + int(softcap))
     G, R, S, DV, t = 2, 6, 300, 64, 3
     scores = (rng.standard_normal((G, R, S)) * 6).astype(np.float32)
@@ -289,9 +290,18 @@ def test_one_chunk_compiled_is_the_oracle(f16_acc, fused_sum, softcap):
     want = flash_attention.one_chunk_oracle(
         scores, mask, v, scale, softcap, f16_acc=f16_acc, fused_sum=fused_sum
     )
-    got = np.empty_like(want)
-    flash.one_chunk(scores, mask, v, scale, softcap, f16_acc, fused_sum, got)
+    got = flash_attention.one_chunk(
+        scores, mask, v, scale, softcap, f16_acc=f16_acc, fused_sum=fused_sum
+    )
     assert np.array_equal(_bits(got), _bits(want))
+    # a chunk of the cells (split-KV's): accumulator, maximum and sum, the same bits
+    part = dict(f16_acc=f16_acc, fused_sum=fused_sum, cells=(40, 170))
+    for a, b in zip(
+        flash_attention.chunk(scores, mask, v, scale, softcap, **part),
+        flash_attention.chunk_oracle(scores, mask, v, scale, softcap, **part),
+        strict=True,
+    ):
+        assert np.array_equal(_bits(a), _bits(b))
     assert not np.any(want[:, 2::3])  # the blind row
     # and it is attention: within float32 rounding of a float64 softmax product (f32 acc)
     if not f16_acc:
@@ -303,3 +313,24 @@ def test_one_chunk_compiled_is_the_oracle(f16_acc, fused_sum, softcap):
             p = np.nan_to_num(p / p.sum(axis=-1, keepdims=True))
         exact = p @ v.astype(np.float64)
         assert np.abs(want - exact).max() <= gamma(2 * S) * np.abs(v).max() * 4
+
+
+@pytest.mark.parametrize("threads", [1, 3, 4])
+def test_split_kv_compiled_is_the_oracle(threads):
+    """Split-KV decode: the compiled chunks folded as llama.cpp folds them equal the oracle's;
+    one thread is one_chunk itself; more threads differ from it only by rounding."""
+    pytest.importorskip("numba")
+    rng = np.random.default_rng(threads)
+    G, R, S, DV = 2, 3, 512, 64
+    scores = (rng.standard_normal((G, R, S)) * 6).astype(np.float32)
+    mask = np.zeros((1, S), np.float32)
+    mask[:, 300:] = -np.inf  # the last chunks see nothing (skipped)
+    v = rng.standard_normal((G, S, DV)).astype(np.float16).astype(np.float32)
+    got = flash_attention.split(scores, mask, v, 0.125, threads=threads)
+    want = flash_attention.split(scores, mask, v, 0.125, threads=threads, compiled=False)
+    assert np.array_equal(_bits(got), _bits(want))
+    single = flash_attention.one_chunk(scores, mask, v, 0.125, f16_acc=True)
+    if threads == 1:
+        assert np.array_equal(_bits(got), _bits(single))
+    else:  # two f16 accumulators, each within (cells + 2) half-ulps of the values' scale
+        assert np.abs(got - single).max() <= 2 * (S + 2) * 2.0**-11 * np.abs(v).max()

@@ -17,8 +17,9 @@ when                                                  qllama
 K and V both F16 (an F32 cache is cast to F16),       the tiled kernel's arithmetic as
 64 queries or more                                    ``"f16-flash"`` computes it (Q, P float32;
                                                       float sums in BLAS's order, not ggml's)
-K and V both F16, one query, 512 cells or more        refused: the split-KV kernel's numbers depend
-                                                      on llama.cpp's thread count
+K and V both F16, one query, 512 cells or more        split-KV for the thread count ``,fa=N``
+                                                      declares (its numbers depend on it); refused
+                                                      without one
 everything else (block formats, BF16, mixed types,    ``one_chunk``, compiled
 short batches)                                        (:mod:`qllama.runtime.flash_attention`)
 ====================================================  ==============================================
@@ -43,6 +44,7 @@ from qllama.ggml_types import GGMLType
 from qllama.quants.base import Rounding
 from qllama.runtime import flash_attention
 from qllama.runtime.hadamard import fwht
+from qllama.runtime.kv_cache import capacity_for
 from qllama.runtime.kv_types import CACHE_TYPES, KVSpec
 
 F32 = np.float32
@@ -68,8 +70,9 @@ def round_to(t: str, x: np.ndarray) -> np.ndarray:
 
 
 def flash_kernel(spec: KVSpec, queries: int, cells: int) -> str:
-    """llama.cpp's flash attention kernel for a batch of ``queries`` over ``cells`` cells
-    (``ggml_compute_forward_flash_attn_ext_f16``): "tiled", "split" or "one_chunk"."""
+    """llama.cpp's flash attention kernel for a batch of ``queries`` over ``cells`` cells (its
+    ``n_kv``, a multiple of 256; ``ggml_compute_forward_flash_attn_ext_f16``): "tiled",
+    "split" or "one_chunk"."""
     if spec.tiled:
         return "tiled"
     f16_pair = spec.type_k == spec.type_v and spec.type_k in ("f32", "f16")
@@ -110,22 +113,33 @@ def attend(
     q = np.reshape(
         np.transpose(np.reshape(q, (t, n_kv, n_rep, hd)), (1, 2, 0, 3)), (n_kv, n_rep * t, hd)
     )  # (n_kv, n_rep*t, hd)
-    kernel = flash_kernel(spec, queries, cells) if spec.flash else None
-    if kernel == "split":
+    n_kv_cells = capacity_for(cells)  # llama.cpp's n_kv: the used cells padded to 256
+    kernel = flash_kernel(spec, queries, n_kv_cells) if spec.flash else None
+    if kernel == "split" and spec.threads is None:
         raise BackendError(
-            f"KV cache {spec.name!r}: a single-token step over {cells} cells runs llama.cpp's "
-            f"split-KV flash attention, whose numbers depend on its thread count; qllama does "
-            f"not emulate it (use {spec.type_k}/{spec.type_v} without ',fa', 'f16-flash', or "
-            f"fewer than {SPLIT_CELLS - 255} positions)"
+            f"KV cache {spec.name!r}: a single-token step over {n_kv_cells} cells runs llama.cpp's "
+            f"split-KV flash attention, whose numbers depend on its thread count; declare it "
+            f"('{spec.name}=N' for N threads), or use {spec.type_k}/{spec.type_v} without ',fa'"
         )
     k_type = read_type(spec, "k")  # tiled: F16 K against a float32 Q
     scores = _scores(cache, layer, q, "f32" if kernel == "tiled" else k_type, k_type)
     v = cache.v[layer]  # (n_kv, S, hd_v)
-    if kernel == "one_chunk":
-        if spec.type_v == "f32":  # cast to f16 for flash attention
-            v = round_to("f16", v)
-        cap = F32(softcap) if softcap else F32(0.0)
-        kq_scale = F32(F32(scale) / cap) if softcap else F32(scale)
+    cap = F32(softcap) if softcap else F32(0.0)
+    kq_scale = F32(F32(scale) / cap) if softcap else F32(scale)
+    if kernel in ("one_chunk", "split") and spec.type_v == "f32":  # cast to f16 for flash
+        v = round_to("f16", v)
+    if kernel == "split":
+        assert spec.threads is not None
+        n = n_kv_cells  # its chunks cut n_kv cells, not qllama's capacity
+        out = flash_attention.split(
+            scores[..., :n],
+            mask[:, :n],
+            v[:, :n],
+            float(kq_scale),
+            float(cap),
+            threads=spec.threads,
+        )  # (n_kv, n_rep, hd_v)
+    elif kernel == "one_chunk":
         out = flash_attention.one_chunk(
             scores,
             mask,

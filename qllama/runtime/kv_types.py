@@ -13,6 +13,8 @@ flash attention, named by one string (``kv_precision``).
                           name means both (``"bf16"``)
 ``"K/V,fa"``              the same with flash attention (``-fa on``): llama.cpp's kernel for each
                           call (one_chunk, tiled; see :mod:`qllama.runtime.kv_attention`)
+``"K/V,fa=N"``            the same, llama.cpp run with ``N`` threads: its split-KV decode kernel
+                          (F16 K and V, one query, 512 cells or more) depends on that count
 ========================  =====================================================================
 
 Types: f32, f16, bf16, q8_0, q4_0, q4_1, iq4_nl, q5_0, q5_1 (``common/arg.cpp``'s list), as
@@ -37,7 +39,8 @@ FLASH_SUFFIX = ",fa"
 GRAMMAR = (
     "KV cache precision must be one of "
     + ", ".join(LEGACY)
-    + " or TYPE, TYPE_K/TYPE_V, either followed by ',fa' (flash attention)"
+    + " or TYPE, TYPE_K/TYPE_V, either followed by ',fa' (flash attention) or ',fa=N' (and"
+    " llama.cpp's N threads)"
 )
 # llama.cpp rotates a quantized cache's rows by a Hadamard transform when the head size is a
 # multiple of this (src/llama-kv-cache.cpp: attn_rot_k / attn_rot_v)
@@ -52,6 +55,7 @@ class KVSpec:
     type_v: str
     flash: bool = False
     tiled: bool = False  # "f16-flash": the tiled kernel's arithmetic for every batch
+    threads: int | None = None  # llama.cpp's thread count, for its split-KV kernel
 
     @property
     def name(self) -> str:
@@ -59,7 +63,8 @@ class KVSpec:
         if self.tiled:
             return "f16-flash"
         types = self.type_k if self.type_k == self.type_v else f"{self.type_k}/{self.type_v}"
-        return types + (FLASH_SUFFIX if self.flash else "")
+        threads = f"={self.threads}" if self.threads else ""
+        return types + (FLASH_SUFFIX + threads if self.flash else "")
 
     @property
     def legacy(self) -> bool:
@@ -81,8 +86,13 @@ def parse(spec: str) -> KVSpec:
         raise BackendError(f"{GRAMMAR}, not {spec!r}")
     if spec == "f16-flash":
         return KVSpec("f16", "f16", flash=True, tiled=True)
-    types, flash = spec, False
-    if spec.endswith(FLASH_SUFFIX):
+    types, flash, threads = spec, False, None
+    head, sep, count = spec.rpartition(FLASH_SUFFIX + "=")
+    if sep:  # ",fa=N"
+        if not count.isdigit() or int(count) < 1:
+            raise BackendError(f"{GRAMMAR}, not {spec!r}: ',fa=N' needs a thread count N >= 1")
+        types, flash, threads = head, True, int(count)
+    elif spec.endswith(FLASH_SUFFIX):
         types, flash = spec[: -len(FLASH_SUFFIX)], True
     parts = types.split("/")
     if len(parts) > 2 or not all(parts):
@@ -95,7 +105,7 @@ def parse(spec: str) -> KVSpec:
             + ")"
         )
     k, v = parts[0], parts[-1]
-    out = KVSpec(k, v, flash=flash)
+    out = KVSpec(k, v, flash=flash, threads=threads)
     if out.quantized("v") and not flash:
         raise BackendError(
             f"kv_precision {spec!r}: quantized V cache requires flash_attn (llama.cpp refuses "

@@ -87,14 +87,21 @@ def one_chunk(
     softcap: float,
     f16_acc: bool,
     fused_sum: bool,
-    out: np.ndarray,
+    c0: int,
+    c1: int,
+    acc_out: np.ndarray,
+    m_out: np.ndarray,
+    s_out: np.ndarray,
 ) -> None:
-    """``out`` (G, R, DV) = attention of rows ``scores`` (G, R, S) (raw products, before the
-    scale) under ``mask`` (t, S) (row r reads mask row ``r % t``) over values ``v`` (G, S, DV),
-    float32 holding the values the kernel reads (f16, bf16 or dequantized). ``softcap``:
-    0 for none, else ggml's ``cap*tanhf(s*scale/cap)`` (``scale`` already divided by ``cap``).
-    ``fused_sum``: the sum ``S*ms + vs`` as one FMA (GCC contracts it on FMA builds)."""
-    G, R, S = scores.shape
+    """The loop over cells ``c0 <= c < c1`` of rows ``scores`` (G, R, S) (raw products,
+    before the scale) under ``mask`` (t, S) (row r reads mask row ``r % t``) over values
+    ``v`` (G, S, DV), float32 holding the values the kernel reads (f16, bf16 or dequantized).
+    Writes each row's accumulator (G, R, DV, as float32, not yet divided by the sum), its
+    maximum and its sum (G, R): the kernel's state at the chunk's end (its ``partials``).
+    ``softcap``: 0 for none, else ggml's ``cap*tanhf(s*scale)`` (``scale`` already divided by
+    ``cap``). ``fused_sum``: the sum ``S*ms + vs`` as one FMA (GCC contracts it on FMA
+    builds)."""
+    G, R = scores.shape[0], scores.shape[1]
     t, DV = mask.shape[0], v.shape[2]
     for gr in numba.prange(G * R):
         g, r = gr // R, gr % R
@@ -102,7 +109,7 @@ def one_chunk(
         acc = np.zeros(DV, np.float32)
         total = F32(0.0)
         M = NEG_INF
-        for c in range(S):
+        for c in range(c0, c1):
             mv = mask[m_row, c]
             if mv == NEG_INF:
                 continue
@@ -130,6 +137,7 @@ def one_chunk(
                 for d in range(DV):
                     acc[d] = fma32(v[g, c, d], vs, acc[d])
             total = fma32(total, ms, vs) if fused_sum else total * ms + vs
-        inv = F32(0.0) if total == F32(0.0) else F32(1.0) / total
         for d in range(DV):
-            out[g, r, d] = acc[d] * inv
+            acc_out[g, r, d] = acc[d]
+        m_out[g, r] = M
+        s_out[g, r] = total
