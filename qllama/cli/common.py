@@ -28,7 +28,8 @@ def kv_spec(value: str) -> str:
 
 KV_HELP = (
     "KV cache: f32 (default), f16, f16-flash, or llama.cpp's -ctk/-ctv as K/V, ',fa' for flash "
-    "attention (e.g. q8_0/q4_0,fa; types f32 f16 bf16 q8_0 q4_0 q4_1 iq4_nl q5_0 q5_1; numpy)"
+    "attention, ',fa=N' with llama.cpp's N threads (e.g. q8_0/q4_0,fa; types f32 f16 bf16 q8_0 "
+    "q4_0 q4_1 iq4_nl q5_0 q5_1; numpy)"
 )
 
 
