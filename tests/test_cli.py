@@ -218,7 +218,15 @@ def test_every_loading_command_takes_llama_cpps_cache_types(tiny, capsys):
     argv = ["generate", str(tiny), "--prompt", "the cat sat", "--max-new-tokens", "3"]
     assert main([*argv, "--kv", "bf16/f16,fa"]) == 0
     capsys.readouterr()
-    for command in (argv, ["compare", str(tiny), "--prompt", "x"], ["serve", "m=" + str(tiny)]):
+    for command in (
+        argv,
+        ["compare", str(tiny), "--prompt", "x"],
+        ["serve", "m=" + str(tiny)],
+        ["perplexity", str(tiny)],
+        ["imatrix", str(tiny), "-o", "x.dat"],
+        ["trace", str(tiny), "--reference", str(tiny), "--prompt", "x"],
+        ["ladder", str(tiny)],
+    ):
         with pytest.raises(SystemExit):
             main([*command, "--kv", "q4_0"])
         assert "quantized V cache requires flash_attn" in capsys.readouterr().err

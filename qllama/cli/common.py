@@ -112,6 +112,7 @@ def write_json(path: str, doc: dict[str, Any]) -> None:
 
 
 __all__ = [
+    "KV_HELP",
     "Subparsers",
     "add_backend_args",
     "add_chat_arg",
