@@ -98,6 +98,11 @@ def test_imatrix_then_quantize_with_it(tiny, tmp_path, capsys):
         ),
         (["quantize", "{tiny}", "{out}", "Q9"], "qllama quantize: error: unknown file type 'Q9'"),
         (["fetch", "nope"], "qllama fetch: error: unknown model 'nope'"),
+        (
+            ["generate", "{tiny}", "--prompt", "x", "--kv", "q8_0,fa"],
+            "qllama generate: error: kv_precision 'q8_0,fa': the K cache's q8_0 blocks of 32 "
+            "do not divide the head size 16",
+        ),
     ],
 )
 def test_errors_are_one_line_without_traceback(tiny, tmp_path, argv, message):
@@ -206,3 +211,22 @@ def test_compare_explains_its_numbers(tiny, capsys):
     assert "and its greedy continuation (4 tokens" in out
     assert "(± not computed: 4 values)" in out and "± 0.0e+00" not in out
     assert "free generation: " in out and "new tokens, ended " in out
+
+
+def test_every_loading_command_takes_llama_cpps_cache_types(tiny, capsys):
+    """--kv: llama.cpp's -ctk/-ctv (and -fa) as one value, checked before any work."""
+    argv = ["generate", str(tiny), "--prompt", "the cat sat", "--max-new-tokens", "3"]
+    assert main([*argv, "--kv", "bf16/f16,fa"]) == 0
+    capsys.readouterr()
+    for command in (
+        argv,
+        ["compare", str(tiny), "--prompt", "x"],
+        ["serve", "m=" + str(tiny)],
+        ["perplexity", str(tiny)],
+        ["imatrix", str(tiny), "-o", "x.dat"],
+        ["trace", str(tiny), "--reference", str(tiny), "--prompt", "x"],
+        ["ladder", str(tiny)],
+    ):
+        with pytest.raises(SystemExit):
+            main([*command, "--kv", "q4_0"])
+        assert "quantized V cache requires flash_attn" in capsys.readouterr().err

@@ -27,7 +27,7 @@ import qllama
 from qllama.array_api import namespace, to_numpy
 from qllama.backends import get_backend
 from qllama.backends.base import QuantTensor, expert_matmul
-from qllama.errors import ModelConfigError
+from qllama.errors import BackendError, ModelConfigError
 from qllama.ggml_types import GGMLType, ValueType
 from qllama.gguf.reader import GGUFValue
 from qllama.runtime.architectures import ExpertActivation, Gating, SharedExpert, architecture
@@ -465,6 +465,16 @@ def test_gpt_oss_with_yarn_is_refused(tmp_path: Path) -> None:
     path = _with_keys(tmp_path, "gpt-oss", **{"rope.scaling.type": "yarn"})
     with pytest.raises(ModelConfigError, match="gpt-oss.rope.scaling.type is 'yarn'"):
         qllama.load(path)
+
+
+def test_a_typed_kv_cache_with_sinks_is_refused(tmp_path: Path) -> None:
+    """llama.cpp's typed caches run its flash attention kernels, which qllama computes
+    without attention sinks: a gpt-oss file with one is refused, not run without them."""
+    path = tmp_path / "gpt-oss.gguf"
+    write_tiny(path, FAMILIES["gpt-oss"])
+    with pytest.raises(BackendError, match="not computed with attention sinks"):
+        qllama.load(path, "numpy", kv_precision="bf16,fa")
+    qllama.load(path, "numpy", kv_precision="f16")  # the legacy precisions compute sinks
 
 
 @pytest.mark.parametrize("ns", NAMESPACES)

@@ -577,3 +577,15 @@ def test_nan_logits_are_a_json_500_and_the_server_goes_on(tmp_path: Path) -> Non
         assert frames[-1] == "data: [DONE]"
         h = wait_idle(s)
         assert (h["status"], h["active"], h["idle_caches"]) == ("ok", 0, 0)  # caches dropped
+
+
+def test_the_load_schema_takes_llama_cpps_cache_types():
+    from pydantic import ValidationError
+
+    from qllama.serve.schemas import LoadRequest
+
+    assert (
+        LoadRequest(model="m", path="p", kv_precision="q8_0/q4_0,fa").kv_precision == "q8_0/q4_0,fa"
+    )
+    with pytest.raises(ValidationError, match="quantized V cache requires flash_attn"):
+        LoadRequest(model="m", path="p", kv_precision="q4_0")

@@ -233,7 +233,7 @@ BAD = [
     ),
     ({"setting": [{"name": "cpu", "options": {"kernel": "numba"}}]}, r"no options \['kernel'\]"),
     ({"setting": [{"name": "cpu", "options": {"device": "tpu"}}]}, "device 'tpu' is none of"),
-    ({"setting": [{"name": "cpu", "options": {"kv_precision": "f8"}}]}, "kv_precision must be"),
+    ({"setting": [{"name": "cpu", "options": {"kv_precision": "f8"}}]}, "KV cache precision must"),
     ({"setting": [{"name": "cpu", "options": {"arithmetic": "q7"}}]}, "arithmetic 'q7'"),
     (
         {"draw": [{"name": "d", "settings": ["cpu"], "options": {"activation_rounding": "x"}}]},

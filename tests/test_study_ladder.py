@@ -149,3 +149,32 @@ def test_a_small_ladder_end_to_end(tiny, tmp_path, monkeypatch, capsys):
     capsys.readouterr()
     assert main(argv) == 0
     assert "cells: all" in capsys.readouterr().err
+
+
+def test_kv_caches_cross_the_types(tiny, tmp_path, monkeypatch):
+    """--kv adds the CPU arithmetic with a llama.cpp KV cache: a setting per cache, computing
+    the files the CPU setting computes, named in the table's columns."""
+    study, _ = ladder_study(
+        str(tiny), types=["Q8_0"], imatrix_corpus=None, draws=(), kv=["q8_0/q4_0,fa", "bf16"]
+    )
+    by_name = {s.name: s for s in study.settings}
+    assert list(by_name) == ["cpu", "dequantize-all", "cpu-kv-q8_0-q4_0-fa", "cpu-kv-bf16"]
+    assert by_name["cpu-kv-q8_0-q4_0-fa"].options == {"kv_precision": "q8_0/q4_0,fa"}
+    assert by_name["cpu-kv-bf16"].variants == by_name["cpu"].variants == ("F32", "Q8_0")
+    (path := tmp_path / "ladder.toml").write_text(to_toml(study))
+    assert load_study(path).settings == study.settings
+    with pytest.raises(Exception, match="quantized V cache requires flash_attn"):
+        ladder_study(str(tiny), types=["Q8_0"], imatrix_corpus=None, kv=["q4_0"])
+    # end to end: the table has the cache's columns, with numbers
+    monkeypatch.setenv("QLLAMA_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(corpus, "text", lambda name, **kw: TEXT)
+    out = tmp_path / "out"
+    argv = ["ladder", str(tiny), "--types", "Q8_0", "--imatrix-corpus", "none", "--chunks", "4",
+            "--ctx", "64", "--draw", "none", "--executor", "local", "--kv", "q8_0/q4_0,fa",
+            "--results", str(tmp_path / "results"), "--out", str(out), "--no-plot"]  # fmt: skip
+    assert main(argv) == 0
+    doc = json.loads((out / "ladder.json").read_text())
+    cells = doc["rows"][0]["cells"]
+    assert cells["cpu-kv-q8_0-q4_0-fa"]["mean_kld"] > 0
+    assert cells["cpu-kv-q8_0-q4_0-fa"]["mean_kld"] != cells["cpu"]["mean_kld"]
+    assert "cpu-kv-q8_0-q4_0-fa: mean KLD" in (out / "ladder.md").read_text()

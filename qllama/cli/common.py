@@ -14,8 +14,28 @@ from qllama.errors import QllamaError
 Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
 
-def add_backend_args(s: argparse.ArgumentParser) -> None:
-    """``--backend``, ``--device``, ``--dequantize-all`` and ``--activations``."""
+def kv_spec(value: str) -> str:
+    """``--kv``'s value, checked (:mod:`qllama.runtime.kv_types`)."""
+    from qllama.errors import BackendError
+    from qllama.runtime.kv_types import parse
+
+    try:
+        parse(value)
+    except BackendError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return value
+
+
+KV_HELP = (
+    "KV cache: f32 (default), f16, f16-flash, or llama.cpp's -ctk/-ctv as K/V, ',fa' for flash "
+    "attention, ',fa=N' with llama.cpp's N threads (e.g. q8_0/q4_0,fa; types f32 f16 bf16 q8_0 "
+    "q4_0 q4_1 iq4_nl q5_0 q5_1; numpy)"
+)
+
+
+def add_backend_args(s: argparse.ArgumentParser, *, kv: bool = True) -> None:
+    """``--backend``, ``--device``, ``--dequantize-all``, ``--activations`` and (unless the
+    command declares its own) ``--kv``."""
     s.add_argument("--backend", help="numpy | torch | jax | array_api_strict (default: numpy)")
     s.add_argument("--device", help="cpu | cuda | mps (default: the backend's)")
     s.add_argument(
@@ -24,6 +44,8 @@ def add_backend_args(s: argparse.ArgumentParser) -> None:
     s.add_argument(
         "--activations", choices=["q8", "f32"], help="numpy: CPU (q8) or GPU (f32) arithmetic"
     )
+    if kv:
+        s.add_argument("--kv", type=kv_spec, help=KV_HELP)
 
 
 def backend_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -33,6 +55,8 @@ def backend_options(args: argparse.Namespace) -> dict[str, Any]:
         options["dequantize_all"] = True
     if args.activations:
         options["activations"] = args.activations
+    if getattr(args, "kv", None):
+        options["kv_precision"] = args.kv
     return options
 
 
@@ -88,6 +112,7 @@ def write_json(path: str, doc: dict[str, Any]) -> None:
 
 
 __all__ = [
+    "KV_HELP",
     "Subparsers",
     "add_backend_args",
     "add_chat_arg",
@@ -95,6 +120,7 @@ __all__ = [
     "announce",
     "backend_options",
     "chat_ids",
+    "kv_spec",
     "prompt_ids",
     "require_module",
     "write_json",

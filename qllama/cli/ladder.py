@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from qllama.cli.common import Subparsers, require_module
+from qllama.cli.common import Subparsers, kv_spec, require_module
 
 
 def add_parser(sub: Subparsers) -> None:
@@ -42,6 +42,13 @@ def add_parser(sub: Subparsers) -> None:
         choices=["dither", "gaussian"],
         help="measure a control of the model instead: its weights off their grid "
         "(qllama.study.controls; written once under RESULTS/controls)",
+    )
+    s.add_argument(
+        "--kv",
+        action="append",
+        type=kv_spec,
+        help="also the CPU arithmetic with this llama.cpp KV cache (K/V[,fa], e.g. q8_0/q4_0,fa;"
+        " repeatable): a column group each",
     )
     s.add_argument("--threads", type=int, default=1, help="every cell's threads")
     s.add_argument("--executor", choices=["local", "process", "dask"], default="process")
@@ -112,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
             reference=args.reference,
             threads=args.threads,
             f32_path=f32,
+            kv=args.kv or (),
         )
     for r in ladder:
         if r.reason:

@@ -9,10 +9,12 @@ import sys
 from typing import Any
 
 from qllama.cli.common import (
+    KV_HELP,
     Subparsers,
     add_backend_args,
     add_json_arg,
     backend_options,
+    kv_spec,
     require_module,
     write_json,
 )
@@ -47,13 +49,13 @@ def add_parser(sub: Subparsers) -> None:
         action="store_true",
         help="the CPU arithmetic as llama.cpp's CPU backend computes it (see docs/perplexity.md)",
     )
-    s.add_argument("--kv", choices=["f32", "f16", "f16-flash"], help="KV cache precision")
+    s.add_argument("--kv", type=kv_spec, help=KV_HELP)
     s.add_argument(
         "--threads", type=int, help="numpy backend: the compiled kernels' threads (numba's)"
     )
     add_json_arg(s)
     s.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
-    add_backend_args(s)
+    add_backend_args(s, kv=False)
     s.set_defaults(run=run, check=check)
 
 

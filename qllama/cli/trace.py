@@ -7,9 +7,11 @@ import sys
 from typing import Any
 
 from qllama.cli.common import (
+    KV_HELP,
     Subparsers,
     add_chat_arg,
     add_json_arg,
+    kv_spec,
     prompt_ids,
     require_module,
     write_json,
@@ -41,6 +43,7 @@ def add_parser(sub: Subparsers) -> None:
         + ")",
     )
     s.add_argument("--qkv", action="store_true", help="also compare Q, K and V")
+    s.add_argument("--kv", type=kv_spec, help=KV_HELP + "; every setting computes with it")
     s.add_argument(
         "--band-factor", type=float, default=10.0, help="the F32 control's band (x its error)"
     )
@@ -103,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
         band_factor=args.band_factor,
         reference=ref,
         progress=lambda what: print(f"  {what} ...", file=sys.stderr, flush=True),
+        **({"kv_precision": args.kv} if args.kv else {}),
     )
     print(
         f"{args.file} against transformers on {args.reference}: {len(tokens)} tokens "

@@ -55,7 +55,8 @@ QLLAMA_KEYWORDS = {
     "kernels": "numpy: 'numba' or 'numpy'",
     "blas_threads": "numpy: BLAS threads",
     "work_bytes": "numpy: the work buffer's size",
-    "kv_precision": "'f32' or 'f16' (llama.cpp's half-precision KV cache)",
+    "kv_precision": "'f32', 'f16', 'f16-flash', or llama.cpp's cache types as 'K/V[,fa]' "
+    "(e.g. 'q8_0/q4_0,fa'; numpy)",
     "check_weights": "refuse NaN/inf weights at load",
     "trace_nonfinite": "name the first layer whose output is NaN/inf",
     "arithmetic": "an arithmetic per tensor-name pattern",

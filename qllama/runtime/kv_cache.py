@@ -15,6 +15,13 @@ K and V are rounded to half when stored. Without flash attention its KQ and KQV 
 (``ggml_compute_forward_flash_attn_ext_tiled``, llama-perplexity's default) widens the half K
 and V back to float32 and keeps Q and the probabilities in float32: ``precision="f16-flash"``.
 Both need a namespace with ``float16`` (numpy, torch, jax).
+
+The general form names llama.cpp's ``type_k`` / ``type_v`` and flash attention
+(``"q8_0/q4_0,fa"``, :mod:`qllama.runtime.kv_types`): such a cache stores what llama.cpp's
+``from_float`` writes for each type (rows Hadamard-rotated first for the block formats,
+:mod:`qllama.runtime.hadamard`), keeps a block-format K's bytes for the integer ``vec_dot``,
+and is read by :mod:`qllama.runtime.kv_attention`. It is the numpy backend's (the CPU
+arithmetic); other backends refuse it.
 """
 
 from __future__ import annotations
@@ -25,8 +32,10 @@ from typing import Any
 from array_api_compat import is_numpy_namespace, is_torch_namespace
 
 from qllama.errors import BackendError
+from qllama.quants.base import Rounding
+from qllama.runtime import kv_types
 
-PRECISIONS = ("f32", "f16", "f16-flash")
+PRECISIONS = kv_types.LEGACY  # the named ones; kv_types.parse reads the general form
 CAPACITY_STEP = 256
 
 
@@ -52,25 +61,44 @@ class KVCache:
         device: Any = None,
         precision: str = "f32",
         head_dim_v: int | None = None,
+        rounding: Rounding = "ref",
     ) -> None:
-        if precision not in PRECISIONS:
-            raise BackendError(f"KV cache precision must be one of {PRECISIONS}, not {precision!r}")
-        half = getattr(xp, "float16", None) if precision != "f32" else None
-        if precision != "f32" and half is None:
+        self.spec = kv_types.parse(precision)
+        hd_v = head_dim if head_dim_v is None else head_dim_v
+        # typed: the types and kernels beyond the three legacy precisions (numpy only)
+        self.typed = not self.spec.legacy
+        if self.typed:
+            if not is_numpy_namespace(xp):
+                raise BackendError(
+                    f"KV cache {precision!r}: llama.cpp's bf16 and block-format caches and its "
+                    f"flash attention kernels are computed on the numpy backend (the CPU "
+                    f"arithmetic) only, not on {xp.__name__}; use f32, f16 or f16-flash there"
+                )
+            kv_types.check_geometry(self.spec, head_dim, hd_v)
+        self.rounding = rounding  # the arch quantize_row_q8_0's ties ("simd" on x86 AVX2)
+        self.rotation = (
+            kv_types.rotation_size(self.spec, "k", head_dim),
+            kv_types.rotation_size(self.spec, "v", hd_v),
+        )
+        # the legacy precisions round in the namespace; the typed path rounds in numpy itself
+        legacy_half = self.spec.legacy and self.spec.type_k == "f16"
+        half = getattr(xp, "float16", None) if legacy_half else None
+        if legacy_half and half is None:
             raise BackendError(
                 f"KV cache precision {precision} needs a namespace with float16; "
                 f"{xp.__name__} has none"
             )
         self.xp, self.device, self.precision, self._half = xp, device, precision, half
-        self._half_operands = precision == "f16"  # Q and the probabilities too
+        self._half_operands = legacy_half and not self.spec.flash  # Q and P too
         # a decode step's write then costs its own rows, not a copy of the whole capacity
         self._in_place = is_numpy_namespace(xp) or is_torch_namespace(xp)
         # per layer: whether its arrays are this cache's alone (a fork shares them until one
         # of the two writes, and the writer copies first)
         self._own = [True] * n_layer
         self.n_head_kv = n_head_kv
-        self.head_dims = (head_dim, head_dim if head_dim_v is None else head_dim_v)
+        self.head_dims = (head_dim, hd_v)
         self.k: list[Any] = [None] * n_layer
+        self.k_raw: list[Any] = [None] * n_layer  # a block-format K's bytes (n_kv, capacity, row)
         self.v: list[Any] = [None] * n_layer
         self.capacity = 0
         self.length = 0  # positions holding valid keys and values
@@ -80,6 +108,7 @@ class KVCache:
         if length == 0:
             self.k = [None] * len(self.k)
             self.v = [None] * len(self.v)
+            self.k_raw = [None] * len(self.k)
             self.capacity = 0
         self.length = length
 
@@ -88,7 +117,7 @@ class KVCache:
         rows): the arrays are shared until either cache writes a layer, which copies that
         layer's arrays first."""
         other = copy.copy(self)
-        other.k, other.v = list(self.k), list(self.v)
+        other.k, other.v, other.k_raw = list(self.k), list(self.v), list(self.k_raw)
         self._own, other._own = [False] * len(self.k), [False] * len(self.k)
         return other
 
@@ -106,6 +135,15 @@ class KVCache:
 
         self.k = [grown(k, self.head_dims[0]) for k in self.k]
         self.v = [grown(v, self.head_dims[1]) for v in self.v]
+        if self.spec.quantized("k"):
+            g = kv_types.CACHE_TYPES[self.spec.type_k]
+            row = self.head_dims[0] // g.block[0] * g.block[1]
+
+            def grown_raw(old: Any) -> Any:
+                pad = xp.zeros((self.n_head_kv, rows, row), dtype=xp.uint8)  # d = 0: zeros
+                return pad if old is None else xp.concat([old, pad], axis=1)
+
+            self.k_raw = [grown_raw(r) for r in self.k_raw]
         self._own = [True] * len(self.k)
         self.capacity = need
         self.slots = xp.arange(need, dtype=xp.int32, device=self.device)  # (capacity,)
@@ -126,6 +164,8 @@ class KVCache:
         head_dim_v)`` values at ``pos``; return the layer's whole cache, ``(n_head_kv,
         capacity, head_dim)`` and ``(n_head_kv, capacity, head_dim_v)``."""
         xp, T = self.xp, k.shape[0]
+        if self.typed:
+            return self._update_typed(layer, pos, k, v)
         k = xp.permute_dims(self._stored(k), (1, 0, 2))  # (n_head_kv, T, head_dim)
         v = xp.permute_dims(self._stored(v), (1, 0, 2))  # (n_head_kv, T, head_dim_v)
         if self._in_place:
@@ -140,4 +180,27 @@ class KVCache:
         src = xp.clip(self.slots - pos, 0, T - 1)  # row of k feeding each slot
         self.k[layer] = xp.where(fresh, xp.take(k, src, axis=1), self.k[layer])
         self.v[layer] = xp.where(fresh, xp.take(v, src, axis=1), self.v[layer])
+        return self.k[layer], self.v[layer]
+
+    def _update_typed(self, layer: int, pos: int, k: Any, v: Any) -> tuple[Any, Any]:
+        """:meth:`update` for the typed caches (numpy): each token's rows rotated where
+        llama.cpp rotates them, then stored as the type's ``from_float`` writes them."""
+        from qllama.runtime.hadamard import fwht
+        from qllama.runtime.kv_attention import from_float
+
+        T, n_kv = k.shape[0], self.n_head_kv
+        if not self._own[layer]:  # shared with a fork: copy before writing
+            self.k[layer], self.v[layer] = self.k[layer].copy(), self.v[layer].copy()
+            if self.k_raw[layer] is not None:
+                self.k_raw[layer] = self.k_raw[layer].copy()
+            self._own[layer] = True
+        for which, x, store in (("k", k, self.k), ("v", v, self.v)):
+            n = self.rotation[0 if which == "k" else 1]
+            x = fwht(x, n) if n else x  # (T, n_kv, hd)
+            hd = x.shape[-1]
+            t = self.spec.type_k if which == "k" else self.spec.type_v
+            raw, values = from_float(t, x.reshape(T * n_kv, hd), self.rounding)  # rows (T*n_kv, .)
+            store[layer][:, pos : pos + T, :] = values.reshape(T, n_kv, hd).transpose(1, 0, 2)
+            if which == "k" and raw is not None:
+                self.k_raw[layer][:, pos : pos + T, :] = raw.reshape(T, n_kv, -1).transpose(1, 0, 2)
         return self.k[layer], self.v[layer]

@@ -139,7 +139,8 @@ def load(
     ``backend``, ``device`` and ``dequantize_all`` default to ``QLLAMA_BACKEND``,
     ``QLLAMA_DEVICE`` and ``QLLAMA_DEQUANTIZE_ALL`` (numpy, its default device, off).
     ``n_ctx`` caps the context (default: the model's). ``kv_precision="f16"`` emulates
-    llama.cpp's half-precision KV cache. ``check_weights`` refuses NaN/inf block scales and
+    llama.cpp's half-precision KV cache; ``"q8_0/q4_0,fa"`` its ``-ctk q8_0 -ctv q4_0 -fa on``
+    (:mod:`qllama.runtime.kv_types`). ``check_weights`` refuses NaN/inf block scales and
     float weights at load; ``trace_nonfinite`` checks every layer's output in the forward pass
     and names the first that is NaN or infinite (slower). Extra keywords go to the backend
     (e.g. the numpy backend's ``activations="f32"`` or ``activation_rounding="simd"``).
@@ -179,8 +180,8 @@ def check_options(backend: str, options: Mapping[str, Any]) -> None:
     load.) A backend whose package is not installed here has its own options checked where
     it runs."""
     from qllama.backends import BUILTIN, available
+    from qllama.runtime import kv_types
     from qllama.runtime.arithmetic import as_policy
-    from qllama.runtime.kv_cache import PRECISIONS
 
     if backend not in available():
         raise BackendError(f"unknown backend {backend!r}; available: {', '.join(available())}")
@@ -188,9 +189,7 @@ def check_options(backend: str, options: Mapping[str, Any]) -> None:
     device = opts.pop("device", None)
     if device is not None and str(device).split(":")[0] not in DEVICE_KINDS:
         raise BackendError(f"device {device!r} is none of {', '.join(DEVICE_KINDS)}")
-    kv = opts.pop("kv_precision", "f32")
-    if kv not in PRECISIONS:
-        raise BackendError(f"kv_precision must be one of {', '.join(PRECISIONS)}, not {kv!r}")
+    kv_types.parse(opts.pop("kv_precision", "f32"))
     n_ctx = opts.pop("n_ctx", None)
     if n_ctx is not None and (not isinstance(n_ctx, int) or isinstance(n_ctx, bool) or n_ctx < 1):
         raise BackendError(f"n_ctx must be a positive integer, not {n_ctx!r}")
@@ -225,10 +224,12 @@ def _build(
     **backend_options: Any,
 ) -> Model:
     """:func:`load` on an open file: every check, then the backend, then the model."""
+    from qllama.runtime import kv_types
     from qllama.runtime.chat_template import ChatTemplate
     from qllama.runtime.tokenizer import Tokenizer
 
     config = ModelConfig.from_gguf(f)
+    kv_types.check_geometry(kv_types.parse(kv_precision), config.head_dim, config.head_dim_v)
     if n_ctx is not None and not 1 <= n_ctx:
         raise ModelConfigError(f"n_ctx must be at least 1, not {n_ctx}")
     if n_ctx is not None and n_ctx > config.n_ctx:
@@ -303,5 +304,7 @@ def _build(
         source=f,
         n_ctx=n_ctx,
         kv_precision=kv_precision,
+        # a Q8_0 cache is written by the arch quantize_row_q8_0, as the activations are
+        kv_rounding=backend_options.get("activation_rounding", "ref"),
         trace_nonfinite=trace_nonfinite,
     )

@@ -23,6 +23,7 @@ alone, and their files are rotated in halves.
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ from qllama.backends.base import (
     matmuls,
 )
 from qllama.errors import (
+    BackendError,
     ChatTemplateError,
     ContextOverflowError,
     InvalidTokenError,
@@ -44,7 +46,8 @@ from qllama.errors import (
     SequenceError,
 )
 from qllama.gguf.reader import GGUFFile
-from qllama.runtime import generation, routing
+from qllama.quants.base import Rounding
+from qllama.runtime import generation, kv_attention, routing
 from qllama.runtime.architectures import (
     Activation,
     ExpertActivation,
@@ -323,6 +326,7 @@ class Model:
         chat_template: ChatTemplate | None = None,
         n_ctx: int | None = None,
         kv_precision: str = "f32",
+        kv_rounding: Rounding = "ref",
         trace_nonfinite: bool = False,
     ) -> None:
         self.config = config
@@ -341,7 +345,14 @@ class Model:
             device=backend.device,
             precision=kv_precision,
             head_dim_v=config.head_dim_v,
+            rounding=kv_rounding,
         )
+        if self.cache.typed and any(w.attn_sinks is not None for w in weights.layers):
+            raise BackendError(
+                f"KV cache {kv_precision!r}: llama.cpp's typed caches and flash attention "
+                "kernels are not computed with attention sinks (this model has them): use "
+                "kv_precision f32, f16 or f16-flash"
+            )
         self.kinds = [config.layer(i) for i in range(config.n_layer)]  # rotation, window
         self.rotate = ROTATIONS[self.features.rope]
         self.activation = ACTIVATIONS[self.features.activation]
@@ -388,6 +399,7 @@ class Model:
             device=self.backend.device,
             precision=self.cache.precision,
             head_dim_v=c.head_dim_v,
+            rounding=self.cache.rounding,
         )
 
     def forward_batch(self, steps: Sequence[SequenceStep]) -> list[Array]:
@@ -657,13 +669,24 @@ class Model:
         # on a CPU, and bounded for a long prompt (a row's numbers are its own, but BLAS may
         # choose another kernel, and round otherwise, for another block's shape)
         rows = max(1, self.attention_bytes // (4 * c.n_head * k.shape[1]))
-        if rows >= T:
-            return self._attend_rows(q, k, v, mask, cache, sinks)
         blocks = [(a, min(a + rows, T)) for a in range(0, T, rows)]
-        return xp.concat(
-            [self._attend_rows(q[a:b, ...], k, v, mask[a:b, ...], cache, sinks) for a, b in blocks],
-            axis=0,
-        )  # (T, n_head*hd_v)
+        if cache.typed:  # llama.cpp's typed caches and flash attention kernels (numpy)
+            read = functools.partial(
+                kv_attention.attend,
+                cache,
+                i,
+                queries=T,
+                cells=segment.pos + T,
+                scale=c.query_scale,
+                softcap=c.attn_softcap or 0.0,
+            )
+            parts = [read(q[a:b, ...], mask[a:b, ...]) for a, b in blocks]
+        else:
+            parts = [
+                self._attend_rows(q[a:b, ...], k, v, mask[a:b, ...], cache, sinks)
+                for a, b in blocks
+            ]
+        return parts[0] if len(parts) == 1 else xp.concat(parts, axis=0)  # (T, n_head*hd_v)
 
     def _attend_rows(
         self, q: Array, k: Array, v: Array, mask: Array, cache: KVCache, sinks: Array = None

@@ -12,7 +12,16 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    field_validator,
+    model_validator,
+)
 
 
 class _Body(BaseModel):
@@ -150,7 +159,19 @@ class LoadRequest(_Body):
     dequantize_all: StrictBool | None = None
     activations: Literal["q8", "f32"] | None = None
     n_ctx: StrictInt | None = Field(None, ge=1)
-    kv_precision: Literal["f32", "f16"] = "f32"
+    kv_precision: StrictStr = "f32"  # qllama.runtime.kv_types: "f16", "q8_0/q4_0,fa", ...
+
+    @field_validator("kv_precision")
+    @classmethod
+    def _known_kv(cls, value: str) -> str:
+        from qllama.errors import BackendError
+        from qllama.runtime.kv_types import parse
+
+        try:
+            parse(value)
+        except BackendError as e:
+            raise ValueError(str(e)) from None
+        return value
 
 
 class UnloadRequest(_Body):

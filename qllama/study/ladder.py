@@ -9,6 +9,10 @@ writes its table (sorted by bits per weight, the Pareto front marked), its plot 
 (:func:`rows`, :func:`format_table`, :func:`plot`); ``--write-study`` writes the declaration as
 TOML (:func:`qllama.study.declaration.to_toml`), a template to edit and run with ``--study``.
 
+``kv`` crosses the types with llama.cpp's KV cache types: each cache spec (``"q8_0/q4_0,fa"``,
+:mod:`qllama.runtime.kv_types`) adds a setting, the CPU arithmetic with that cache
+(:func:`kv_setting`), whose columns the table names after it.
+
 A type the model cannot take (a row length that divides into none of its blocks and has no
 fallback), or one that an arithmetic cannot compute, is a row of the table with its reason,
 never a silent substitute.
@@ -60,6 +64,7 @@ SETTINGS = (
     Setting("cpu", "numpy", about="activations quantized to Q8 (llama.cpp's CPU)"),
     Setting("dequantize-all", "numpy", {"dequantize_all": True}, about="f32 weights at load"),
 )
+KV_PREFIX = "cpu-kv-"  # the settings of --kv
 PROMPTS = (
     Prompt("raw", "The three primary colors are", chat=False, max_new_tokens=64),
     Prompt("chat", "Explain how a CPU cache works.", max_new_tokens=64),
@@ -130,6 +135,26 @@ def rungs(f32_path: str | os.PathLike[str], types: Sequence[str], *, imatrix: bo
     return out
 
 
+def kv_setting(spec: str) -> Setting:
+    """The CPU arithmetic with llama.cpp's KV cache ``spec`` (checked): a setting named
+    ``cpu-kv-`` and the spec (``/`` and ``,`` as ``-``: a name that is also a folder)."""
+    from qllama.runtime import kv_types
+
+    s = kv_types.parse(spec)
+    flags = ", flash attention" if s.flash else ""
+    return Setting(
+        KV_PREFIX + s.name.replace("/", "-").replace(",", "-"),
+        "numpy",
+        {"kv_precision": s.name},
+        about=f"the CPU arithmetic, KV cache K {s.type_k} / V {s.type_v}{flags} (llama.cpp's)",
+    )
+
+
+def _base(setting: str) -> str:
+    """The arithmetic a setting is: a KV cache setting is the CPU one."""
+    return "cpu" if setting.startswith(KV_PREFIX) else setting
+
+
 def variant_name(label: str, imatrix: bool) -> str:
     """A ladder file's name: its type, and ``-imatrix`` where it was made with a matrix."""
     return f"{label}-imatrix" if imatrix else label
@@ -149,12 +174,15 @@ def ladder_study(
     reference: str = "qllama",
     threads: int = 1,
     f32_path: str | os.PathLike[str] | None = None,
+    kv: Sequence[str] = (),
 ) -> tuple[Study, list[Rung]]:
     """The ladder of ``model`` (an F32 GGUF, or a name ``qllama fetch`` knows) as a study, and
     its rungs (the skipped types among them). ``f32_path`` is the F32 file the types are
     planned on (default: ``model`` itself). The importance matrix is computed from
     ``imatrix_corpus`` as llama-imatrix does, after the ``chunks`` windows the corpus measure
-    scores (calibration text never scored); None: no importance matrix at all."""
+    scores (calibration text never scored); None: no importance matrix at all. ``kv``: KV
+    cache specs, a CPU setting each (:func:`kv_setting`), computing what the CPU setting
+    computes."""
     if reference not in ("qllama", "transformers"):
         raise StudyError(f"the reference is qllama or transformers, not {reference!r}")
     unknown = [d for d in draws if d not in DRAWS]
@@ -178,9 +206,13 @@ def ladder_study(
             variants.append(Variant(r.type, name, **extra))  # type: ignore[arg-type]
             for s in r.settings:
                 computed[s].append(name)
+    caches = [kv_setting(spec) for spec in dict.fromkeys(kv)]
     settings = tuple(
         Setting(s.name, s.backend, s.options, about=s.about, variants=tuple(computed[s.name]))
         for s in SETTINGS
+    ) + tuple(
+        Setting(c.name, c.backend, c.options, about=c.about, variants=tuple(computed["cpu"]))
+        for c in caches
     )
     first = prompts[0].name
     measures = (
@@ -324,7 +356,7 @@ def rows(study: Study, ladder: Sequence[Rung], data: Any, paths: Mapping[str, st
             cell = _cell(f"{v.name}-{s.name}", data)
             if cell is not None:
                 row.cells[s.name] = cell
-            elif s.name not in computes.get(v.type, (s.name,)):
+            elif _base(s.name) not in computes.get(v.type, (_base(s.name),)):
                 row.missing[s.name] = "no kernel here for its types"
             else:
                 row.missing[s.name] = "not declared for this file"
