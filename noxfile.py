@@ -137,7 +137,7 @@ def controls(session: nox.Session) -> None:
     common += ["--chunks", "8", "--results", "results", *session.posargs]
     for control in ("none", "dither", "gaussian"):
         which = [] if control == "none" else ["--control", control]
-        out = ["--out", f"docs/ladder-controls/{control}"]
+        out = ["--out", f"docs/ladder-controls/{'smollm2' if control == 'none' else control}"]
         session.run("qllama", "ladder", "smollm2-135m-instruct", *which, *out, *common)
 
 
