@@ -37,15 +37,15 @@ from typing import Any
 
 import numpy as np
 
-from qllama import quants
 from qllama.backends.base import QuantTensor
 from qllama.errors import BackendError
-from qllama.ggml_types import GGMLType
 from qllama.quants.base import Rounding
 from qllama.runtime import flash_attention
 from qllama.runtime.hadamard import fwht
 from qllama.runtime.kv_cache import capacity_for
-from qllama.runtime.kv_types import CACHE_TYPES, KVSpec
+from qllama.runtime.kv_types import CACHE_TYPES, KVSpec, round_to
+from qllama.runtime.scores import softcap as cap_scores
+from qllama.runtime.scores import softmax
 
 F32 = np.float32
 TILED_QUERIES = 64  # GGML_FA_TILE_Q: a batch this long runs the tiled kernel
@@ -59,14 +59,6 @@ def _cpu_backend(rounding: Rounding) -> Any:
     from qllama.backends.numpy.dispatch import NumpyBackend
 
     return NumpyBackend(activations="q8", activation_rounding=rounding)
-
-
-def round_to(t: str, x: np.ndarray) -> np.ndarray:
-    """``x`` rounded to float type ``t`` (f32: itself), as float32."""
-    if t == "f32":
-        return np.asarray(x, dtype=F32)
-    g = CACHE_TYPES[t]
-    return np.asarray(quants.dequantize(quants.quantize(x, g), g, x.shape), dtype=F32)
 
 
 def flash_kernel(spec: KVSpec, queries: int, cells: int) -> str:
@@ -189,9 +181,6 @@ def _softmax_product(
 ) -> np.ndarray:
     """softmax(scores*scale + mask) times V: the non-flash path (P rounded to the V type) or
     the tiled kernel's float arithmetic; (n_kv, rows, hd_v)."""
-    from qllama.runtime.model import softcap as cap_scores
-    from qllama.runtime.model import softmax
-
     xp = np
     n_kv, rows, S = scores.shape
     s = np.reshape(scores, (n_kv, rows // t, t, S)) * F32(scale)  # (n_kv, n_rep, t, S)
@@ -203,23 +192,3 @@ def _softmax_product(
     else:  # tiled: the F16 V widened, P float32
         v = round_to("f16", v)
     return np.matmul(np.reshape(p, (n_kv, rows, S)), v)  # (n_kv, rows, hd_v)
-
-
-def from_float(
-    t: str, rows: np.ndarray, rounding: Rounding
-) -> tuple[np.ndarray | None, np.ndarray]:
-    """What a cache of type ``t`` stores for float32 ``rows`` (n, d): the bytes (None for a
-    float type) and the values they hold, as ``type_traits_cpu[t].from_float`` writes them
-    (Q8_0: the arch quantizer, ``rounding``; IQ4_NL: ``quantize_row_iq4_nl_ref``; the others
-    their ``_ref``)."""
-    if t in ("f32", "f16", "bf16"):
-        return None, round_to(t, rows)
-    g = CACHE_TYPES[t]
-    if g == GGMLType.IQ4_NL:
-        from qllama.quants.iq4_nl import quantize_row_ref
-
-        raw = quantize_row_ref(rows.reshape(-1, g.block[0])).reshape(rows.shape[0], -1)
-    else:
-        fmt = quants.get(g)
-        raw = quants.quantize(rows, g, rounding=rounding if rounding in fmt.roundings else "ref")
-    return raw, np.asarray(quants.dequantize(raw, g, rows.shape), dtype=F32)

@@ -186,7 +186,6 @@ class KVCache:
         """:meth:`update` for the typed caches (numpy): each token's rows rotated where
         llama.cpp rotates them, then stored as the type's ``from_float`` writes them."""
         from qllama.runtime.hadamard import fwht
-        from qllama.runtime.kv_attention import from_float
 
         T, n_kv = k.shape[0], self.n_head_kv
         if not self._own[layer]:  # shared with a fork: copy before writing
@@ -199,7 +198,9 @@ class KVCache:
             x = fwht(x, n) if n else x  # (T, n_kv, hd)
             hd = x.shape[-1]
             t = self.spec.type_k if which == "k" else self.spec.type_v
-            raw, values = from_float(t, x.reshape(T * n_kv, hd), self.rounding)  # rows (T*n_kv, .)
+            raw, values = kv_types.from_float(
+                t, x.reshape(T * n_kv, hd), self.rounding
+            )  # rows (T*n_kv, .)
             store[layer][:, pos : pos + T, :] = values.reshape(T, n_kv, hd).transpose(1, 0, 2)
             if which == "k" and raw is not None:
                 self.k_raw[layer][:, pos : pos + T, :] = raw.reshape(T, n_kv, -1).transpose(1, 0, 2)

@@ -26,8 +26,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
+from qllama import quants
 from qllama.errors import BackendError
 from qllama.ggml_types import GGMLType
+from qllama.quants.base import Rounding
 
 CACHE_TYPES: dict[str, GGMLType] = {
     name: GGMLType[name.upper()]
@@ -134,3 +138,34 @@ def rotation_size(spec: KVSpec, which: str, head_dim: int) -> int:
     if which == "v":
         return ROTATION_MIN
     return head_dim & -head_dim  # the largest power of two dividing it (>= 64 here)
+
+
+F32 = np.float32
+
+
+def round_to(t: str, x: np.ndarray) -> np.ndarray:
+    """``x`` rounded to float type ``t`` (f32: itself), as float32."""
+    if t == "f32":
+        return np.asarray(x, dtype=F32)
+    g = CACHE_TYPES[t]
+    return np.asarray(quants.dequantize(quants.quantize(x, g), g, x.shape), dtype=F32)
+
+
+def from_float(
+    t: str, rows: np.ndarray, rounding: Rounding
+) -> tuple[np.ndarray | None, np.ndarray]:
+    """What a cache of type ``t`` stores for float32 ``rows`` (n, d): the bytes (None for a
+    float type) and the values they hold, as ``type_traits_cpu[t].from_float`` writes them
+    (Q8_0: the arch quantizer, ``rounding``; IQ4_NL: ``quantize_row_iq4_nl_ref``; the others
+    their ``_ref``)."""
+    if t in ("f32", "f16", "bf16"):
+        return None, round_to(t, rows)
+    g = CACHE_TYPES[t]
+    if g == GGMLType.IQ4_NL:
+        from qllama.quants.iq4_nl import quantize_row_ref
+
+        raw = quantize_row_ref(rows.reshape(-1, g.block[0])).reshape(rows.shape[0], -1)
+    else:
+        fmt = quants.get(g)
+        raw = quants.quantize(rows, g, rounding=rounding if rounding in fmt.roundings else "ref")
+    return raw, np.asarray(quants.dequantize(raw, g, rows.shape), dtype=F32)

@@ -62,6 +62,7 @@ from qllama.runtime.chat_template import ChatTemplate
 from qllama.runtime.config import ModelConfig
 from qllama.runtime.generation import Generation
 from qllama.runtime.kv_cache import KVCache
+from qllama.runtime.scores import NEGLIGIBLE, softcap, softmax
 from qllama.runtime.tokenizer import Tokenizer, token_list
 
 # sees the named intermediate values of a forward pass (qllama.runtime.observe): (name, value)
@@ -206,21 +207,6 @@ def rope_halves(x: Array, cos: Array, sin: Array, *, xp: Namespace) -> Array:
 ROTATIONS = {RopeLayout.ADJACENT: rope, RopeLayout.HALVES: rope_halves}
 
 
-# exp(x - max) below 2**-110 counts as 0: the row's largest term is 1, so such a term is under
-# 2**-110 of the row's sum, 80 binary orders below float32's resolution of the weighted sum it
-# enters. Kept, it or its quotient can be subnormal, and a subnormal operand costs a microcode
-# assist in the attention products (P V 60x slower on x86 BLAS, measured). The quotients of
-# the terms kept stay normal for rows of up to 2**16 positions.
-NEGLIGIBLE = -76.24869  # ln(2**-110)
-
-
-def softmax(x: Array, *, xp: Namespace) -> Array:
-    """Softmax over the last axis, max-subtracted; the terms below :data:`NEGLIGIBLE` are 0."""
-    d = x - xp.max(x, axis=-1, keepdims=True)
-    e = xp.exp(xp.where(d < NEGLIGIBLE, -xp.inf, d))
-    return e / xp.sum(e, axis=-1, keepdims=True)
-
-
 def silu(x: Array, *, xp: Namespace) -> Array:
     return x * (1.0 / (1.0 + xp.exp(-x)))
 
@@ -298,11 +284,6 @@ def swiglu_oai(gate: Array, up: Array, *, xp: Namespace) -> Array:
     g = xp.where(gate > OAI_LIMIT, OAI_LIMIT, gate)
     u = xp.where(up > OAI_LIMIT, OAI_LIMIT, xp.where(up < -OAI_LIMIT, -OAI_LIMIT, up))
     return g / (1.0 + xp.exp(OAI_ALPHA * -g)) * (u + 1.0)
-
-
-def softcap(x: Array, cap: float, *, xp: Namespace) -> Array:
-    """cap * tanh(x / cap): gemma's soft limit on scores and logits."""
-    return cap * xp.tanh(x / cap)
 
 
 # --- the model ----------------------------------------------------------------------------------
