@@ -35,7 +35,9 @@ F32 = np.float32
 LEGACY = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
 KQUANTS = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 TABLES = ["IQ4_NL", "IQ4_XS", "MXFP4"]  # 4-bit codes indexing a table of levels
-SUPER = [*KQUANTS, "IQ4_XS"]  # 256-element blocks
+# one integer sum a 256-block: the IQ grids and the ternary formats (kernels/superblocks.py)
+GRIDS = ["IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0"]
+SUPER = [*KQUANTS, "IQ4_XS", *GRIDS]  # 256-element blocks
 
 
 def bits(x: np.ndarray) -> np.ndarray:
@@ -51,7 +53,9 @@ def weight(raw: np.ndarray, qtype: str, shape: tuple[int, int]) -> QuantTensor:
 def random_weight(qtype: str, rows: int, k: int, seed: int) -> QuantTensor:
     rng = np.random.default_rng(seed)
     w = rng.standard_normal((rows, k)).astype(F32) * rng.uniform(0.01, 2, (rows, 1)).astype(F32)
-    return weight(quants.quantize(w, qtype), qtype, (rows, k))
+    # the grid types with an importance matrix (IQ2_XXS, IQ2_XS, IQ1_S cannot do without)
+    imatrix = rng.uniform(0.1, 2, k).astype(F32) if qtype in GRIDS else None
+    return weight(quants.quantize(w, qtype, imatrix=imatrix), qtype, (rows, k))
 
 
 def hard_activations(tokens: int, k: int, seed: int) -> np.ndarray:
@@ -90,7 +94,7 @@ def backends(rounding: str, parallelism: str) -> tuple[NumpyBackend, NumpyBacken
     return fast, NumpyBackend(activation_rounding=rounding, kernels="numpy")
 
 
-@pytest.mark.parametrize("qtype", LEGACY + KQUANTS + TABLES)
+@pytest.mark.parametrize("qtype", LEGACY + KQUANTS + TABLES + GRIDS)
 @pytest.mark.parametrize("rounding", ["ref", "simd"])
 @pytest.mark.parametrize("tokens", [1, 3, 16, 37])
 def test_kernels_equal_the_oracle(qtype, rounding, tokens, parallelism):
@@ -101,7 +105,7 @@ def test_kernels_equal_the_oracle(qtype, rounding, tokens, parallelism):
     agree(fast.matmul(x, fast.prepare(w)), oracle.matmul(x, oracle.prepare(w)))
 
 
-@pytest.mark.parametrize("qtype", LEGACY + KQUANTS + TABLES)
+@pytest.mark.parametrize("qtype", LEGACY + KQUANTS + TABLES + GRIDS)
 @pytest.mark.parametrize("shape", [(1, 1), (5, 2), (33, 3)])  # rows, blocks
 def test_odd_shapes(qtype, shape, parallelism):
     rows, blocks = shape
@@ -113,7 +117,7 @@ def test_odd_shapes(qtype, shape, parallelism):
         agree(fast.matmul(x, fast.prepare(w)), oracle.matmul(x, oracle.prepare(w)))
 
 
-@pytest.mark.parametrize("qtype", LEGACY + KQUANTS)
+@pytest.mark.parametrize("qtype", LEGACY + KQUANTS + ["IQ2_XXS", "IQ1_M", "TQ1_0"])
 @pytest.mark.parametrize("k", [768, 8192])
 def test_many_tiles_and_passes(qtype, k, parallelism):
     """18 tiles of 16 tokens, the last of 5: more than one call of the K-quant tile kernel
@@ -125,7 +129,7 @@ def test_many_tiles_and_passes(qtype, k, parallelism):
     agree(fast.matmul(x, fast.prepare(w)), oracle.matmul(x, oracle.prepare(w)))
 
 
-@pytest.mark.parametrize("qtype", LEGACY + KQUANTS + TABLES)
+@pytest.mark.parametrize("qtype", LEGACY + KQUANTS + TABLES + GRIDS)
 def test_non_finite_activations(qtype, parallelism):
     k = 512
     w = random_weight(qtype, 9, k, seed=3)

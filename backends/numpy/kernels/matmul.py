@@ -19,10 +19,11 @@ per weight row decodes each block in registers (:mod:`qllama.backends.numpy.kern
 its exact integer sums with the tokens' blocks, unsigned by signed (``vpdpbusd``), and combines the
 float32 terms in the order of ggml's generic C, per block in block order.
 
-The IQ grid formats (IQ3_S, IQ2_XS, IQ2_S) decode each super-block once into its signed grid
-values and sub-block scales, then take plain integer sums with each token
-(:func:`_matmul_iq`): ``(d*y.d) * bsum`` per block in block order, IQ2's ``0.125 * sumf`` at
-the end, as ggml's generic C.
+The IQ grid formats (IQ2_XXS .. IQ3_S, IQ1_S, IQ1_M) and the ternary ones (TQ1_0, TQ2_0)
+decode each super-block once into its signed integers and sub-block scales
+(:mod:`qllama.backends.numpy.kernels.superblocks`), then take plain integer sums with each
+token (:func:`_matmul_iq`): ``(d*y.d) * bsum`` per block in block order (IQ1: ``bsum/8``),
+IQ2's ``0.125 * sumf`` and IQ3_XXS's ``0.25 * sumf`` at the end, as ggml's generic C.
 
 IQ4_NL, MXFP4 and IQ4_XS (the formats whose 4-bit codes index a table of levels) run in the
 32-block loops: each block's levels plus 128 (``decode_levels``) by the activations, minus
@@ -44,7 +45,7 @@ from typing import Any
 import numpy as np
 from numba import njit, prange
 
-from qllama.backends.numpy.kernels import gemm, gemv
+from qllama.backends.numpy.kernels import gemm, gemv, superblocks
 from qllama.backends.numpy.kernels.quantize import TOKEN_TILE, q8_row, q8k_row
 from qllama.backends.numpy.kernels.simd import (
     IQ4_NL,
@@ -63,16 +64,9 @@ from qllama.backends.numpy.kernels.simd import (
 )
 from qllama.ggml_types import GGMLType
 from qllama.jit import INLINE, JIT, named_kernel
-from qllama.quants import iq_grids
 
 F32 = np.float32
-IQ3_S, IQ2_XS, IQ2_S = (int(GGMLType[n]) for n in ("IQ3_S", "IQ2_XS", "IQ2_S"))
-IQ = (IQ3_S, IQ2_XS, IQ2_S)
-# the grids' values as the dot products read them (numba freezes these into the code)
-GRID_IQ3S = np.ascontiguousarray(iq_grids.IQ3S.ints)
-GRID_IQ2XS = np.ascontiguousarray(iq_grids.IQ2XS.ints)
-GRID_IQ2S = np.ascontiguousarray(iq_grids.IQ2S.ints)
-KSIGNS = iq_grids.parity_signs(np.arange(128))  # 7 sign bits -> 8, the 8th their parity
+IQ = superblocks.FORMATS  # IQ grids and ternary: one integer sum a 256-block (superblocks.py)
 
 
 @njit(**INLINE)
@@ -383,58 +377,18 @@ def _lane_dots(w, lane, xw, b, gs, tpad, isum):
         token_wdots(w, 32 * lane, xw, xo + 2 * t0, gs, isum[t0:])
 
 
-# --- IQ grid formats: IQ3_S, IQ2_XS, IQ2_S -----------------------------------------------------
-
-
-@njit(**INLINE)
-def _iq_type_size(fmt: int) -> int:
-    return 110 if fmt == IQ3_S else 74 if fmt == IQ2_XS else 82
-
-
-@njit(**INLINE)
-def _signed(q, qo, grid, index, signs, n):
-    """``n`` grid values of point ``index`` into ``q[qo:]``, negated where ``signs`` has a bit."""
-    for j in range(n):
-        q[qo + j] = grid[index, j] * (1 - 2 * ((signs >> j) & 1))
-
-
-@njit(**INLINE)
-def _iq_decode(raw, off, fmt, q, sc):
-    """A super-block's signed values into ``q`` (256 int8) and ``2s + 1`` of each 16 values
-    into ``sc`` (16 int32); returns d."""
-    if fmt == IQ3_S:
-        for g in range(64):  # groups of 4: index bit 8 in qh, a sign byte per 8 values
-            hi = (raw[off + 66 + g // 8] >> (g % 8)) & 1
-            index = int(raw[off + 2 + g]) | (int(hi) << 8)
-            signs = int(raw[off + 74 + g // 2]) >> (4 * (g % 2))
-            _signed(q, 4 * g, GRID_IQ3S, index, signs, 4)
-        for b in range(8):
-            s = (raw[off + 106 + b // 2] >> (4 * (b % 2))) & 15
-            sc[2 * b] = sc[2 * b + 1] = 2 * int(s) + 1
-    else:
-        for g in range(32):  # groups of 8
-            if fmt == IQ2_XS:
-                word = int(raw[off + 2 + 2 * g]) | (int(raw[off + 3 + 2 * g]) << 8)
-                _signed(q, 8 * g, GRID_IQ2XS, word & 511, int(KSIGNS[word >> 9]), 8)
-            else:
-                hi = (raw[off + 66 + g // 4] >> (2 * (g % 4))) & 3
-                index = int(raw[off + 2 + g]) | (int(hi) << 8)
-                _signed(q, 8 * g, GRID_IQ2S, index, int(raw[off + 34 + g]), 8)
-        base = off + (66 if fmt == IQ2_XS else 74)
-        for b in range(8):
-            s = raw[base + b]
-            sc[2 * b] = 2 * int(s & 15) + 1
-            sc[2 * b + 1] = 2 * int(s >> 4) + 1
-    return half_to_float(raw, off)
+# --- the 256-block formats of one integer sum a block: IQ grids, ternary ------------------
 
 
 @njit(**INLINE)
 def _matmul_iq(raw, fmt, rows, x, simd, threads):
-    """``x @ W.T`` in ggml's CPU arithmetic for IQ3_S / IQ2_XS / IQ2_S weights: Q8_K
-    activations, per block ``bsum = sum_sub (2s+1) * sum(q * y.qs)`` (exact integers) and
-    ``sumf += (d*y.d) * bsum`` in block order; IQ2 rows end with ``0.125 * sumf``. The
-    integer sums are taken as the K-quants' are (8 lanes, ``lanes8`` for few tokens, token
-    tiles for many) and the lanes added: the same integer."""
+    """``x @ W.T`` in ggml's CPU arithmetic for the formats of
+    :mod:`~qllama.backends.numpy.kernels.superblocks`: Q8_K activations, per block
+    ``bsum = sum_sub scale * sum(q * y.qs)`` (exact integers) and
+    ``sumf += (d*y.d) * (bsum * isum_scale)`` in block order; rows end with
+    ``row_scale * sumf`` (IQ2: 0.125, IQ3_XXS: 0.25). The integer sums are taken as the
+    K-quants' are (8 lanes, ``lanes8`` for few tokens, token tiles for many) and the lanes
+    added: the same integer."""
     tokens, k = x.shape
     xq, dx, _ = _q8k_activations(x)
     out = np.empty((tokens, rows), np.float32)
@@ -459,22 +413,24 @@ def _iq_rows(raw, fmt, r0, r1, xq, dx, out):
     (``lanes8``) added into ``bsum``."""
     tokens, nb = dx.shape
     k = nb * 256
-    ts = _iq_type_size(fmt)
+    ts = superblocks.type_size(fmt)
+    half = np.empty(2, np.uint8)
     q = np.empty(256, np.int8)
     sc = np.empty(16, np.int32)
     aux = np.empty(8, np.int32)
     acc = np.empty(tokens, np.float32)
-    final = F32(1) if fmt == IQ3_S else F32(0.125)
+    final = superblocks.row_scale(fmt)
+    unit = superblocks.isum_scale(fmt)
     for r in range(r0, r1):
         acc[:] = 0
         for b in range(nb):
-            d = _iq_decode(raw, (r * nb + b) * ts, fmt, q, sc)
+            d = superblocks.decode(raw, (r * nb + b) * ts, fmt, q, sc, half)
             for t in range(tokens):
                 lanes8(q, xq, t * k + b * 256, sc, aux, 16)
                 bsum = 0
                 for i in range(8):
                     bsum += aux[i]
-                acc[t] += (d * dx[t, b]) * np.float32(bsum)
+                acc[t] += (d * dx[t, b]) * (np.float32(bsum) * unit)
         for t in range(tokens):
             out[t, r] = final * acc[t]
 
@@ -482,10 +438,11 @@ def _iq_rows(raw, fmt, r0, r1, xq, dx, out):
 @njit(**JIT)
 def _iq_tiles(raw, fmt, r0, r1, xw, tpad, dxt, out):
     """Many tokens: per super-block (decoded once, scales folded into int16 weights
-    regrouped by lane: |w| <= 43 * 31), each lane's sums for 16 tokens at a time
+    regrouped by lane: |w| <= 62 * 31), each lane's sums for 16 tokens at a time
     (``token_wdots``), the lanes added; rows staged as in :func:`_table_tiles`."""
     nb, tokens = dxt.shape
-    ts = _iq_type_size(fmt)
+    ts = superblocks.type_size(fmt)
+    half = np.empty(2, np.uint8)
     gs = tpad * 2  # int16 elements between a lane's pairs
     q = np.empty(256, np.int8)
     sc = np.empty(16, np.int32)
@@ -493,13 +450,14 @@ def _iq_tiles(raw, fmt, r0, r1, xw, tpad, dxt, out):
     isum = np.empty(tpad, np.int32)
     total = np.empty(tokens, np.int32)
     stage = np.empty((16, tokens), np.float32)
-    final = F32(1) if fmt == IQ3_S else F32(0.125)
+    final = superblocks.row_scale(fmt)
+    unit = superblocks.isum_scale(fmt)
     for r in range(r0, r1):
         at = (r - r0) % 16
         acc = stage[at]
         acc[:] = 0
         for b in range(nb):
-            d = _iq_decode(raw, (r * nb + b) * ts, fmt, q, sc)
+            d = superblocks.decode(raw, (r * nb + b) * ts, fmt, q, sc, half)
             _lane_weights(q, sc, 16, w)
             yd = dxt[b]
             total[:] = 0
@@ -508,7 +466,7 @@ def _iq_tiles(raw, fmt, r0, r1, xw, tpad, dxt, out):
                 for t in range(tokens):
                     total[t] += isum[t]
             for t in range(tokens):
-                acc[t] += (d * yd[t]) * np.float32(total[t])
+                acc[t] += (d * yd[t]) * (np.float32(total[t]) * unit)
         for t in range(tokens):
             acc[t] = final * acc[t]
         if at == 15 or r + 1 == r1:
