@@ -1,11 +1,21 @@
-"""The IQ quantizers' neighbour search, compiled (numba): the numpy oracle's result, faster.
+"""The grid quantizers' searches, compiled (numba): the numpy oracles' results, faster.
 
-:meth:`qllama.quants.iq_grids.Grid.nearest` is where ggml's IQ quantizers spend their time
-(every off-grid group of every trial scale tries its whole neighbour list); it calls
-:func:`nearest` here when numba is installed. The loops are ggml's
-(``iq2_find_best_neighbour`` and its siblings): float32, ``d2`` from 0 in coordinate order,
-``(w*diff)*diff``, the first strictly smallest kept; no fast-math, so no FMA contraction.
-``tests/test_quants_iq_grid.py`` checks it against the numpy path bit for bit.
+Each function here is the loop of a numpy path, run where numba is installed
+(:func:`qllama.quants.iq_grids.compiled`) with the same float32 operations in the same order
+(no fast-math, so no FMA contraction), so the same bytes:
+
+* :func:`nearest`: :meth:`qllama.quants.iq_grids.Grid.nearest`, ggml's
+  ``iq2_find_best_neighbour`` and its siblings: ``d2`` from 0 in coordinate order,
+  ``(w*diff)*diff``, the first strictly smallest kept;
+* :func:`grid_trials`: the trial scales and the refit of
+  :class:`qllama.quants.iq_search.GridSearch` (IQ2_XXS .. IQ3_S), a sub-block at a time;
+* :func:`split_s`, :func:`split_m`: IQ1_S's and IQ1_M's exhaustive split
+  (:mod:`qllama.quants.iq1_search`);
+* :func:`iq4_scales`: IQ4_NL's and IQ4_XS's scale search (:mod:`qllama.quants.iq4_search`),
+  which every IQ file type also runs for the tensors whose rows are not a multiple of 256.
+
+``tests/test_quants_iq_grid.py`` and ``tests/test_quants_new_types.py`` check both paths
+against ggml's bytes.
 """
 
 from __future__ import annotations
@@ -198,3 +208,128 @@ def iq4_scales(x, w, mx, ntry, below, levels, k0):
                 best = d * sumqx
         d_out[col] = d
     return d_out, first
+
+
+# --- IQ2_XXS .. IQ3_S: the trial scales of GridSearch (qllama/quants/iq_search.py) -------------
+
+_MAGIC = F32(12582912.0)  # 1.5 * 2**23: ggml's nearest_int
+
+
+@njit(**JIT)
+def _group_levels(x, c, g, dims, inv, kmax, bits, fbuf, ibuf, lv):
+    """Levels ``clamp(nearest_int(0.5*(inv*x - 1)), 0, kmax - 1)`` of group ``g`` of row
+    ``c`` of ``x`` into ``lv[g*dims:]``; returns the group's packed index ``u``."""
+    u = 0
+    for i in range(dims):
+        e = g * dims + i
+        fbuf[0] = F32(0.5) * (inv * x[c, e] - F32(1)) + _MAGIC
+        v = (ibuf[0] & 0x007FFFFF) - 0x00400000  # ggml's nearest_int, from the float's bits
+        v = min(max(v, 0), kmax - 1)
+        lv[e] = v
+        u |= v << (bits * i)
+    return u
+
+
+@njit(**JIT)
+def _neighbour(x, waux, c, g, dims, u, scale, start, count, flat, ptable, points, lv):
+    """The off-grid group ``g`` of row ``c`` onto its best listed neighbour under ``scale``
+    (as :func:`nearest`); its levels into ``lv``. False where none beats FLT_MAX."""
+    s0 = start[u]
+    best = FLT_MAX
+    pick = -1
+    for k in range(count[u]):
+        j = flat[s0 + k]
+        d2 = F32(0)
+        for i in range(dims):
+            e = g * dims + i
+            diff = scale * ptable[i, j] - x[c, e]
+            d2 += (waux[c, e] * diff) * diff
+        if d2 < best:
+            best = d2
+            pick = j
+    if pick < 0:
+        return False
+    for i in range(dims):
+        lv[g * dims + i] = points[pick, i]
+    return True
+
+
+@njit(**JIT)
+def _fit(wx, w, c, lv):
+    """``sum(w*x*q)``, ``sum(w*q*q)`` with ``q = 2l + 1``: float32 from 0, in index order."""
+    sumqx = F32(0)
+    sumq2 = F32(0)
+    for e in range(lv.shape[0]):
+        q = F32(2 * lv[e] + 1)
+        sumqx += wx[c, e] * q
+        sumq2 += (w[c, e] * q) * q
+    return sumqx, sumq2
+
+
+@njit(**JIT)
+def grid_trials(
+    x, w, denom, scale, deltas, top, kmax, dims, bits, flags, kmap, start, count, flat, ptable,
+    points,
+):  # fmt: skip
+    """:meth:`~qllama.quants.iq_search.GridSearch._trials` for ``(m, sub)`` live sub-blocks
+    ``x`` (folded values), weights ``w``, trial denominators ``denom`` and first scales
+    ``scale``; ``deltas`` the trials' ``is*step``, ``flags`` (start_on_grid,
+    refit_if_off_grid, refit_all). Returns the levels ``(m, sub)`` int32, the scales, and
+    False where a neighbour search found none below FLT_MAX."""
+    m, sub = x.shape
+    groups = sub // dims
+    start_on_grid, refit_if_off_grid, refit_all = flags[0], flags[1], flags[2]
+    waux = np.sqrt(w)
+    wx = w * x
+    out = np.zeros((m, sub), np.int32)
+    scales = scale.copy()
+    trial = np.empty(sub, np.int32)
+    off = np.empty(groups, np.bool_)
+    on_grid = np.empty(groups, np.bool_)
+    fbuf = np.empty(1, np.float32)
+    ibuf = fbuf.view(np.int32)
+    ok = True
+    for c in range(m):
+        best = F32(0)
+        sc = scales[c]
+        kept = out[c]
+        on_grid[:] = start_on_grid
+        for s in range(deltas.shape[0]):
+            inv = (top + deltas[s]) / denom[c]
+            at = F32(1) / inv
+            for g in range(groups):
+                u = _group_levels(x, c, g, dims, inv, kmax, bits, fbuf, ibuf, trial)
+                off[g] = kmap[u] < 0
+                if off[g]:
+                    ok &= _neighbour(
+                        x, waux, c, g, dims, u, at, start, count, flat, ptable, points, trial
+                    )
+            sumqx, sumq2 = _fit(wx, w, c, trial)
+            if sumq2 > 0 and sumqx * sumqx > best * sumq2:
+                new = sumqx / sumq2
+                sc = new
+                best = new * sumqx
+                kept[:] = trial
+                for g in range(groups):
+                    on_grid[g] = not off[g]
+        redo = sc > 0
+        if refit_if_off_grid:
+            redo = redo and not on_grid.all()
+        if redo:
+            inv = F32(1) / sc
+            for g in range(groups):
+                if refit_all or not on_grid[g]:
+                    u = _group_levels(x, c, g, dims, inv, kmax, bits, fbuf, ibuf, trial)
+                    if kmap[u] < 0:
+                        ok &= _neighbour(
+                            x, waux, c, g, dims, u, sc, start, count, flat, ptable, points, trial
+                        )
+                else:
+                    for i in range(dims):
+                        trial[g * dims + i] = kept[g * dims + i]
+            sumqx, sumq2 = _fit(wx, w, c, trial)
+            if sumq2 > 0:
+                sc = sumqx / sumq2
+            kept[:] = trial
+        scales[c] = sc
+    return out, scales, ok
