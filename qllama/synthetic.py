@@ -240,7 +240,15 @@ def write_tiny(
             w.add_tensor(name, _vector(name, shape, rng), GGMLType.F32)
             continue
         x = (cfg.scale * rng.standard_normal(shape)).astype(np.float32)
-        w.add_tensor(name, quants.quantize(x, cfg.weight_type), cfg.weight_type, shape)
+        # the types ggml writes only with an importance matrix (IQ2_XXS, IQ2_XS, IQ1_S) get
+        # a flat one: every column alike, as the random weights are
+        flat = (
+            np.ones(shape[-1], np.float32)
+            if quants.get(cfg.weight_type).imatrix_use == "required"
+            else None
+        )
+        raw = quants.quantize(x, cfg.weight_type, imatrix=flat)
+        w.add_tensor(name, raw, cfg.weight_type, shape)
     w.write(path)
 
 
