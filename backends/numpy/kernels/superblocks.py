@@ -43,6 +43,38 @@ KSIGNS = iq_grids.parity_signs(np.arange(128))  # 7 sign bits -> 8, the 8th thei
 POW3 = np.array([1, 3, 9, 27, 81], np.int32)  # TQ1_0's trit n of a byte: byte * 3**n
 
 
+def _words(values: np.ndarray) -> np.ndarray:
+    """``(n, 8)`` or ``(n, 4)`` int8 rows -> one little-endian word each (uint64 / uint32):
+    a grid point's values in one load and one store."""
+    v = np.ascontiguousarray(values.astype(np.int8))
+    return v.view(np.uint64 if v.shape[1] == 8 else np.uint32)[:, 0].copy()
+
+
+def _sign_masks(bits: int, width: int) -> np.ndarray:
+    """For every sign pattern of ``bits`` bits: 0xFF in each byte whose bit is set, as one
+    word of ``width`` bytes (bit i -> byte i)."""
+    pattern = np.arange(1 << bits)[:, None] >> np.arange(width) & 1
+    return _words(-pattern.astype(np.int8))  # -1 = 0xFF where set
+
+
+# Grid points as words, and sign patterns as byte masks m: a point's signed values are
+# (g ^ m) + (m & 0x01..01), byte by byte (every grid value of IQ2 and IQ3 is nonzero, so no
+# byte carries into the next).
+WORDS_IQ2XXS = _words(GRID_IQ2XXS)
+WORDS_IQ2XS = _words(GRID_IQ2XS)
+WORDS_IQ2S = _words(GRID_IQ2S)
+WORDS_IQ3XXS = _words(GRID_IQ3XXS)
+WORDS_IQ3S = _words(GRID_IQ3S)
+MASK8 = _sign_masks(8, 8)  # a sign byte -> its 8 byte masks
+MASK4 = _sign_masks(4, 4)  # a sign nibble -> its 4 byte masks
+MASK_KSIGNS = MASK8[KSIGNS]  # 7 stored sign bits -> the 8 masks, the 8th their parity
+# IQ1: each value times 8, plus the delta's sign: 8*grid + 1 and 8*grid - 1
+WORDS_IQ1_PLUS = _words(8 * GRID_IQ1S + 1)
+WORDS_IQ1_MINUS = _words(8 * GRID_IQ1S - 1)
+ONES64 = np.uint64(0x0101010101010101)
+ONES32 = np.uint32(0x01010101)
+
+
 @njit(**INLINE)
 def type_size(fmt: int) -> int:
     """Bytes of one 256-block of ``fmt``."""
@@ -84,10 +116,15 @@ def isum_scale(fmt: int) -> np.float32:
 
 
 @njit(**INLINE)
-def _signed(q, qo, grid, index, signs, n):
-    """``n`` grid values of point ``index`` into ``q[qo:]``, negated where ``signs`` has a bit."""
-    for j in range(n):
-        q[qo + j] = grid[index, j] * (1 - 2 * ((signs >> j) & 1))
+def _signed8(q64, w, words, index, mask):
+    """Word ``w`` of ``q64``: grid point ``index``'s 8 values negated where ``mask`` is 0xFF."""
+    q64[w] = (words[index] ^ mask) + (mask & ONES64)
+
+
+@njit(**INLINE)
+def _signed4(q32, w, words, index, mask):
+    """Word ``w`` of ``q32``: grid point ``index``'s 4 values negated where ``mask`` is 0xFF."""
+    q32[w] = (words[index] ^ mask) + (mask & ONES32)
 
 
 @njit(**INLINE)
@@ -114,13 +151,15 @@ def decode(raw, off, fmt, q, sc, half):
     """The 256-block at byte ``off``: its signed integers into ``q`` (256 int8), the integer
     scale of each 16 values into ``sc`` (16 int32); returns its float32 ``d``. ``half`` is
     2 bytes of scratch (IQ1_M assembles its fp16 ``d`` there)."""
+    q64 = q.view(np.uint64)
+    q32 = q.view(np.uint32)
     if fmt == IQ2_XXS:
         for b in range(8):  # 8 bytes a 32-block: 4 grid indices, then signs and scale
             o = off + 2 + 8 * b
             aux = _u32(raw, o + 4)
             for g in range(4):
-                signs = int(KSIGNS[(aux >> (7 * g)) & 127])
-                _signed(q, 32 * b + 8 * g, GRID_IQ2XXS, int(raw[o + g]), signs, 8)
+                mask = MASK_KSIGNS[(aux >> (7 * g)) & 127]
+                _signed8(q64, 4 * b + g, WORDS_IQ2XXS, raw[o + g], mask)
             _scales_per_32(sc, b, 2 * (aux >> 28) + 1)
         return half_to_float(raw, off)
     if fmt == IQ3_XXS:
@@ -129,16 +168,17 @@ def decode(raw, off, fmt, q, sc, half):
             for g in range(4):  # 8 values: two grid points under one sign byte
                 signs = int(KSIGNS[(aux >> (7 * g)) & 127])
                 o = off + 2 + 8 * b + 2 * g
-                _signed(q, 32 * b + 8 * g, GRID_IQ3XXS, int(raw[o]), signs, 4)
-                _signed(q, 32 * b + 8 * g + 4, GRID_IQ3XXS, int(raw[o + 1]), signs >> 4, 4)
+                w = 8 * b + 2 * g
+                _signed4(q32, w, WORDS_IQ3XXS, raw[o], MASK4[signs & 15])
+                _signed4(q32, w + 1, WORDS_IQ3XXS, raw[o + 1], MASK4[signs >> 4])
             _scales_per_32(sc, b, 2 * (aux >> 28) + 1)
         return half_to_float(raw, off)
     if fmt == IQ3_S:
         for g in range(64):  # groups of 4: index bit 8 in qh, a sign byte per 8 values
             hi = (raw[off + 66 + g // 8] >> (g % 8)) & 1
             index = int(raw[off + 2 + g]) | (int(hi) << 8)
-            signs = int(raw[off + 74 + g // 2]) >> (4 * (g % 2))
-            _signed(q, 4 * g, GRID_IQ3S, index, signs, 4)
+            signs = (int(raw[off + 74 + g // 2]) >> (4 * (g % 2))) & 15
+            _signed4(q32, g, WORDS_IQ3S, index, MASK4[signs])
         for b in range(8):
             s = (raw[off + 106 + b // 2] >> (4 * (b % 2))) & 15
             _scales_per_32(sc, b, 2 * int(s) + 1)
@@ -147,11 +187,11 @@ def decode(raw, off, fmt, q, sc, half):
         for g in range(32):  # groups of 8
             if fmt == IQ2_XS:
                 word = _u16(raw, off + 2 + 2 * g)
-                _signed(q, 8 * g, GRID_IQ2XS, word & 511, int(KSIGNS[word >> 9]), 8)
+                _signed8(q64, g, WORDS_IQ2XS, word & 511, MASK_KSIGNS[word >> 9])
             else:
                 hi = (raw[off + 66 + g // 4] >> (2 * (g % 4))) & 3
                 index = int(raw[off + 2 + g]) | (int(hi) << 8)
-                _signed(q, 8 * g, GRID_IQ2S, index, int(raw[off + 34 + g]), 8)
+                _signed8(q64, g, WORDS_IQ2S, index, MASK8[raw[off + 34 + g]])
         base = off + (66 if fmt == IQ2_XS else 74)
         for b in range(8):
             s = raw[base + b]
@@ -161,20 +201,17 @@ def decode(raw, off, fmt, q, sc, half):
     if fmt == IQ1_S:
         for b in range(8):  # a u16 per 32-block: index bits 8-10 of its 4 groups, scale, delta
             qh = _u16(raw, off + 34 + 2 * b)
-            delta = 1 - 2 * (qh >> 15)
+            words = WORDS_IQ1_MINUS if qh >> 15 else WORDS_IQ1_PLUS
             for g in range(4):
                 index = int(raw[off + 2 + 4 * b + g]) | (((qh >> (3 * g)) & 7) << 8)
-                for j in range(8):
-                    q[32 * b + 8 * g + j] = 8 * GRID_IQ1S[index, j] + delta
+                q64[4 * b + g] = words[index]
             _scales_per_32(sc, b, 2 * ((qh >> 12) & 7) + 1)
         return half_to_float(raw, off)
     if fmt == IQ1_M:
         for g in range(32):  # qh: a nibble per group, index bits 8-10 and the delta's sign
             nib = int(raw[off + 32 + g // 2]) >> (4 * (g % 2))
             index = int(raw[off + g]) | ((nib & 7) << 8)
-            delta = 1 - 2 * ((nib >> 3) & 1)
-            for j in range(8):
-                q[8 * g + j] = 8 * GRID_IQ1S[index, j] + delta
+            q64[g] = WORDS_IQ1_MINUS[index] if nib & 8 else WORDS_IQ1_PLUS[index]
         bits = 0
         for c in range(4):  # four u16: 3-bit scales of 16-blocks 4c..4c+3, a nibble of d
             word = _u16(raw, off + 48 + 2 * c)
