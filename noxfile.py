@@ -222,7 +222,9 @@ def bench(session: nox.Session) -> None:
     `-- --no-scale` skips it, `-- --only scale` runs it alone). Run it on a quiet machine: the
     report records the load average. `-- --quick` or `-- --only TEXT` for less. `-- --isa avx2
     --only scale --out docs/bench-avx2.md` measures both sides built for AVX2 on an AVX-512
-    host (benchmarks/isa.py; builds llama.cpp's libraries for AVX2 once, ~15 min).
+    host (benchmarks/isa.py; builds llama.cpp's libraries for AVX2 once, ~15 min). A full run
+    (no arguments) then writes docs/bench-types.md: decode per weight type at the 1B shape
+    (benchmarks/per_type.py; ~1 min a type to write its file once, then its two decodes).
     """
     session.install(TORCH, *REFERENCE)
     session.install(".[torch,jax,reference,serve]", "openai>=1.40", "psutil")
@@ -231,8 +233,11 @@ def bench(session: nox.Session) -> None:
         session.install(llama_cpp_wheel(session), *LLAMA_CPP_SERVER)
     except nox.command.CommandFailed:
         note = ["--llama-note", f"llama-cpp-python did not build ({LLAMA_CPP_BUILD} wheel)"]
+    no_llama = list(note)  # per_type.py's one option of these
     try:  # llama-perplexity, for the corpus perplexity rows
         note += ["--llama-bin", llama_cpp_tools(session)]
     except nox.command.CommandFailed:
         pass
     session.run("python", "benchmarks/bench.py", *note, *session.posargs)
+    if not session.posargs:  # a full run: also decode per weight type, docs/bench-types.md
+        session.run("python", "benchmarks/per_type.py", *no_llama)

@@ -276,7 +276,12 @@ def write_tiny(
             continue
         x = (cfg.scale * rng.standard_normal(shape)).astype(np.float32)
         kind = "F32" if name.endswith(F32_WEIGHTS) else cfg.weight_type
-        w.add_tensor(name, quants.quantize(x, kind), kind, shape)
+        # the types ggml writes only with an importance matrix (IQ2_XXS, IQ2_XS, IQ1_S) get
+        # a flat one: every column alike, as the random weights are
+        flat = (
+            np.ones(shape[-1], np.float32) if quants.get(kind).imatrix_use == "required" else None
+        )
+        w.add_tensor(name, quants.quantize(x, kind, imatrix=flat), kind, shape)
     w.write(path)
 
 

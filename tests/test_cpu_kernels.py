@@ -35,7 +35,15 @@ F32 = np.float32
 LEGACY = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
 KQUANTS = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 TABLES = ["IQ4_NL", "IQ4_XS", "MXFP4"]  # 4-bit codes indexing a table of levels
-SUPER = [*KQUANTS, "IQ4_XS"]  # 256-element blocks
+# one integer sum a 256-block: the IQ grids and the ternary formats (kernels/superblocks.py)
+GRIDS = ["IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0"]
+SUPER = [*KQUANTS, "IQ4_XS", *GRIDS]  # 256-element blocks
+SMALL = ["NVFP4", "Q1_0", "Q2_0"]  # 16-blocks, or one d over runs of 32-blocks (128 values)
+
+
+def row_length(qtype: str, blocks: int) -> int:
+    """``blocks`` of the type's largest block: 256 (super-blocks), 128 (SMALL), 32."""
+    return blocks * (256 if qtype in SUPER else 128 if qtype in SMALL else 32)
 
 
 def bits(x: np.ndarray) -> np.ndarray:
@@ -51,7 +59,9 @@ def weight(raw: np.ndarray, qtype: str, shape: tuple[int, int]) -> QuantTensor:
 def random_weight(qtype: str, rows: int, k: int, seed: int) -> QuantTensor:
     rng = np.random.default_rng(seed)
     w = rng.standard_normal((rows, k)).astype(F32) * rng.uniform(0.01, 2, (rows, 1)).astype(F32)
-    return weight(quants.quantize(w, qtype), qtype, (rows, k))
+    # the grid types with an importance matrix (IQ2_XXS, IQ2_XS, IQ1_S cannot do without)
+    imatrix = rng.uniform(0.1, 2, k).astype(F32) if qtype in GRIDS else None
+    return weight(quants.quantize(w, qtype, imatrix=imatrix), qtype, (rows, k))
 
 
 def hard_activations(tokens: int, k: int, seed: int) -> np.ndarray:
@@ -90,22 +100,23 @@ def backends(rounding: str, parallelism: str) -> tuple[NumpyBackend, NumpyBacken
     return fast, NumpyBackend(activation_rounding=rounding, kernels="numpy")
 
 
-@pytest.mark.parametrize("qtype", LEGACY + KQUANTS + TABLES)
+@pytest.mark.parametrize("qtype", LEGACY + KQUANTS + TABLES + GRIDS + SMALL)
 @pytest.mark.parametrize("rounding", ["ref", "simd"])
 @pytest.mark.parametrize("tokens", [1, 3, 16, 37])
 def test_kernels_equal_the_oracle(qtype, rounding, tokens, parallelism):
-    k = 768 if qtype in SUPER else 608  # 19 blocks of 32: every tail of the 16-block sums
+    # 19 blocks of 32: every tail of the 16-block sums (SMALL: 5 blocks of 128)
+    k = 768 if qtype in SUPER else 640 if qtype in SMALL else 608
     w = random_weight(qtype, 13, k, seed=tokens)
     x = hard_activations(tokens, k, seed=tokens)
     fast, oracle = backends(rounding, parallelism)
     agree(fast.matmul(x, fast.prepare(w)), oracle.matmul(x, oracle.prepare(w)))
 
 
-@pytest.mark.parametrize("qtype", LEGACY + KQUANTS + TABLES)
+@pytest.mark.parametrize("qtype", LEGACY + KQUANTS + TABLES + GRIDS + SMALL)
 @pytest.mark.parametrize("shape", [(1, 1), (5, 2), (33, 3)])  # rows, blocks
 def test_odd_shapes(qtype, shape, parallelism):
     rows, blocks = shape
-    k = blocks * (256 if qtype in SUPER else 32)
+    k = row_length(qtype, blocks)
     w = random_weight(qtype, rows, k, seed=rows)
     fast, oracle = backends("ref", parallelism)
     for tokens in (1, 17):
@@ -113,7 +124,7 @@ def test_odd_shapes(qtype, shape, parallelism):
         agree(fast.matmul(x, fast.prepare(w)), oracle.matmul(x, oracle.prepare(w)))
 
 
-@pytest.mark.parametrize("qtype", LEGACY + KQUANTS)
+@pytest.mark.parametrize("qtype", LEGACY + KQUANTS + ["IQ2_XXS", "IQ1_M", "TQ1_0"])
 @pytest.mark.parametrize("k", [768, 8192])
 def test_many_tiles_and_passes(qtype, k, parallelism):
     """18 tiles of 16 tokens, the last of 5: more than one call of the K-quant tile kernel
@@ -125,7 +136,7 @@ def test_many_tiles_and_passes(qtype, k, parallelism):
     agree(fast.matmul(x, fast.prepare(w)), oracle.matmul(x, oracle.prepare(w)))
 
 
-@pytest.mark.parametrize("qtype", LEGACY + KQUANTS + TABLES)
+@pytest.mark.parametrize("qtype", LEGACY + KQUANTS + TABLES + GRIDS + SMALL)
 def test_non_finite_activations(qtype, parallelism):
     k = 512
     w = random_weight(qtype, 9, k, seed=3)
@@ -208,6 +219,22 @@ def test_a_files_layer_shares_one_call(tmp_path):
     qkv, gate_up = [layer.attn_q, layer.attn_k, layer.attn_v], [layer.ffn_gate, layer.ffn_up]
     assert model.backend._streams(qkv) is not None
     assert model.backend._streams(gate_up) is not None
+
+
+@pytest.mark.parametrize("qtype", ["IQ2_XXS", "IQ1_S"])
+def test_a_model_of_a_type_that_needs_an_imatrix(qtype, tmp_path):
+    """The synthetic writer gives the types ggml quantizes only with an importance matrix a
+    flat one (benchmarks/per_type.py writes them so); the kernels' logits are the oracle's."""
+    import qllama
+    from qllama.array_api import to_numpy
+    from qllama.synthetic import TinyConfig, write_tiny
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny(path, TinyConfig(n_layer=1, n_embd=256, n_ff=512, weight_type=qtype))
+    ids = [1, 40, 77, 200, 5]
+    got = qllama.load(path, backend="numpy", kernels="numba").forward(ids, 0, all_logits=True)
+    want = qllama.load(path, backend="numpy", kernels="numpy").forward(ids, 0, all_logits=True)
+    agree(to_numpy(got), to_numpy(want))
 
 
 def test_matmuls_that_cannot_share_a_call_are_made_one_by_one():

@@ -17,10 +17,11 @@ from hypothesis import strategies as st
 from qllama import quants
 from qllama.array_api import to_numpy
 from qllama.backends.base import QuantTensor
+from qllama.backends.numpy import dispatch
 from qllama.backends.numpy.dispatch import NumpyBackend
 from qllama.errors import ImatrixError
 from qllama.ggml_types import GGMLType
-from qllama.quants import fp4, iq4_nl, iq4_search
+from qllama.quants import fp4, iq4_nl, iq4_search, iq_grids
 
 F32 = np.float32
 NEW = ["IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4", "NVFP4", "Q1_0", "Q2_0"]
@@ -52,15 +53,25 @@ def assert_rows_equal(
 # --- quantize -----------------------------------------------------------------------------------
 
 
+@pytest.fixture(params=["numpy", "numba"])
+def search(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """IQ4_NL's and IQ4_XS's scale search in numpy (the oracle) and compiled, where numba
+    is installed."""
+    if request.param == "numba" and not dispatch.kernels_available():
+        pytest.skip("numba is not installed")
+    monkeypatch.setattr(iq_grids, "USE_COMPILED", request.param == "numba")
+    return request.param
+
+
 @pytest.mark.parametrize("qtype", NEW)
-def test_quantize_is_ggml_quantize_chunk(qtype, v):
+def test_quantize_is_ggml_quantize_chunk(qtype, v, search):
     got = quants.quantize(v["weights_f32"], qtype)
     assert_rows_equal(got, v[f"w/{qtype}/bytes"], v, qtype)
 
 
 @pytest.mark.parametrize("k", range(N_IMATRIX))
 @pytest.mark.parametrize("qtype", NEW + OLD)
-def test_quantize_with_an_imatrix_is_ggml_quantize_chunk(qtype, k, v):
+def test_quantize_with_an_imatrix_is_ggml_quantize_chunk(qtype, k, v, search):
     got = quants.quantize(v["weights_f32"], qtype, imatrix=v["imatrix_f32"][k])
     assert_rows_equal(got, v[f"w/{qtype}/bytes_imatrix"][k], v, f"{qtype}, {v['imatrix_names'][k]}")
 

@@ -57,9 +57,13 @@ Q8_WEIGHT_TYPES = ALL_TYPES - {GGMLType.Q8_1, GGMLType.Q8_K}
 # the formats the compiled kernels compute (the float ones go through BLAS either way)
 KERNEL_LEGACY = frozenset(GGMLType[n] for n in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"))
 KERNEL_KQUANTS = frozenset(GGMLType[n] for n in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"))
-KERNEL_IQ = frozenset(GGMLType[n] for n in ("IQ3_S", "IQ2_XS", "IQ2_S"))
+KERNEL_IQ = frozenset(
+    GGMLType[n]
+    for n in ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0")
+)
 KERNEL_TABLES = frozenset(GGMLType[n] for n in ("IQ4_NL", "IQ4_XS", "MXFP4"))
-KERNEL_TYPES = KERNEL_LEGACY | KERNEL_KQUANTS | KERNEL_IQ | KERNEL_TABLES
+KERNEL_SMALL = frozenset(GGMLType[n] for n in ("NVFP4", "Q1_0", "Q2_0"))
+KERNEL_TYPES = KERNEL_LEGACY | KERNEL_KQUANTS | KERNEL_IQ | KERNEL_TABLES | KERNEL_SMALL
 # ... of which these run in the streaming kernels, several weights in one call
 STREAMING_TYPES = KERNEL_LEGACY | KERNEL_KQUANTS | {GGMLType.IQ4_NL, GGMLType.IQ4_XS}
 ONE_OFFSET = np.zeros(1, np.int64)

@@ -16,12 +16,16 @@ from __future__ import annotations
 
 import numpy as np
 
+from qllama.quants import iq_grids
 from qllama.quants.iq_grids import FLT_MAX, IQ1S
 from qllama.quants.rounding import F32, c_sum
 
 DELTA = F32(0.125)  # IQ1S_DELTA, IQ1M_DELTA
 X_P = np.array([-1 + DELTA, DELTA, 1 + DELTA], dtype=F32)  # the level values, delta +1/8
 X_M = np.array([-1 - DELTA, -DELTA, 1 - DELTA], dtype=F32)  # delta -1/8
+# IQ1_M's q2 terms: the differences of the squared level values, float32 as C's
+C_P = np.array([X_P[0] * X_P[0] - X_P[1] * X_P[1], X_P[1] * X_P[1] - X_P[2] * X_P[2]], F32)
+C_M = np.array([X_M[0] * X_M[0] - X_M[1] * X_M[1], X_M[1] * X_M[1] - X_M[2] * X_M[2]], F32)
 _CHUNK = 1 << 12  # sub-blocks scored at a time
 
 
@@ -72,6 +76,13 @@ def split_s(x: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.nd
     scale ``(m,)`` and the delta's sign ``(m,)`` (+1, -1; 0 where no split was kept)."""
     n = x.shape[1]
     i1, i2 = _pairs(n)
+    if iq_grids.compiled():  # the same scan, compiled
+        from qllama.quants import iq_search_jit
+
+        order, kept, sc = iq_search_jit.split_s(x, w, X_P, X_M)
+        k = np.maximum(kept, 0)
+        shift = np.where(kept >= 0, 1 - 2 * (k % 2), 0)
+        return levels_from_split(order, i1[k // 2], i2[k // 2]), sc, shift
     levels = np.zeros(x.shape, dtype=np.int64)
     scale = np.zeros(x.shape[0], dtype=F32)
     shift = np.zeros(x.shape[0], dtype=np.int64)
@@ -113,11 +124,17 @@ def split_m(x: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.nd
     """
     n = x.shape[1]
     i1, i2 = _pairs(n)
+    if iq_grids.compiled():  # the same scan, compiled
+        from qllama.quants import iq_search_jit
+
+        order, kept, sc = iq_search_jit.split_m(x, w, X_P, X_M, C_P, C_M)
+        k = np.maximum(kept, 0)
+        combo = np.where(kept >= 0, k % 4, -1)
+        return levels_from_split(order, i1[k // 4], i2[k // 4]), sc, combo
     levels = np.zeros(x.shape, dtype=np.int64)
     scale = np.zeros(x.shape[0], dtype=F32)
     combo = np.full(x.shape[0], -1, dtype=np.int64)
-    cp = (X_P[0] * X_P[0] - X_P[1] * X_P[1], X_P[1] * X_P[1] - X_P[2] * X_P[2])
-    cm = (X_M[0] * X_M[0] - X_M[1] * X_M[1], X_M[1] * X_M[1] - X_M[2] * X_M[2])
+    cp, cm = C_P, C_M
     for s in range(0, x.shape[0], _CHUNK):
         part = slice(s, s + _CHUNK)
         order = sorted_order(x[part])

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 from array_api_compat import device as array_device
 
+from qllama.quants import iq_grids
 from qllama.quants.rounding import F32, c_sum, first_absmax, nearest_int, safe_reciprocal
 
 # kvalues_iq4nl (ggml-common.h): the 16 levels, in increasing order
@@ -92,6 +93,19 @@ def search_scales(
     mx = first_absmax(xt, axis=0)[0]  # signed value of the largest |x|
     zero = np.abs(mx) < GROUP_MAX_EPS
     mx = np.where(zero, F32(1), mx)  # zero blocks' results are overwritten below
+    if iq_grids.compiled():  # the same loop, compiled
+        from qllama.quants import iq_search_jit
+
+        d, first = iq_search_jit.iq4_scales(
+            np.ascontiguousarray(xt, dtype=F32),
+            np.ascontiguousarray(wt, dtype=F32),
+            mx.astype(F32),
+            ntry,
+            _BELOW,
+            _LEVELS,
+            F32(KVALUES[0]),
+        )
+        return np.where(zero, F32(0), d).astype(F32), zero, first
 
     def fit(iscale: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         lq = best_index(iscale * xt)

@@ -23,7 +23,7 @@ import numpy as np
 
 from qllama.errors import ImatrixError, WeightValueError
 from qllama.quants.base import ImatrixUse, Rounding
-from qllama.quants.iq_grids import Grid
+from qllama.quants.iq_grids import Grid, _check_found, compiled
 from qllama.quants.rounding import F32, c_sum, fp16_bytes, nearest_int
 
 _CHUNK_SUBBLOCKS = 1 << 13  # sub-blocks searched at a time: the temporaries stay in cache
@@ -284,6 +284,8 @@ class GridSearch:
         self, x: np.ndarray, w: np.ndarray, denom: np.ndarray, scale: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray]:
         """The trial loop and the refit for live sub-blocks: -> levels ``(sub, m)``, scales."""
+        if compiled():
+            return self._trials_compiled(x, w, denom, scale)
         groups = self.sub // self.grid.dims
         m = x.shape[1]
         waux = np.sqrt(w)
@@ -316,6 +318,38 @@ class GridSearch:
             scale[c] = np.where(sumq2 > 0, sumqx / sumq2, sc)
             lv[:, c] = trial
         return lv, scale
+
+    def _trials_compiled(
+        self, x: np.ndarray, w: np.ndarray, denom: np.ndarray, scale: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`_trials` compiled (:func:`qllama.quants.iq_search_jit.grid_trials`), one
+        sub-block at a time: the same levels and scales."""
+        from qllama.quants import iq_search_jit
+
+        g = self.grid
+        start, count, flat = g._neighbours
+        deltas = np.array([F32(st) * F32(self.step) for st in self.steps], dtype=F32)
+        flags = np.array([self.start_on_grid, self.refit_if_off_grid, self.refit_all])
+        lv, scales, ok = iq_search_jit.grid_trials(
+            np.ascontiguousarray(x.T),  # (m, sub): a sub-block's values in a row
+            np.ascontiguousarray(w.T),
+            np.ascontiguousarray(denom, dtype=F32),
+            np.ascontiguousarray(scale, dtype=F32),
+            deltas,
+            F32(2 * self.kmax - 1),
+            self.kmax,
+            g.dims,
+            g.bits,
+            flags,
+            g.kmap,
+            start,
+            count,
+            flat,
+            np.ascontiguousarray(self.positions[g.points.T]),  # (dims, points): 2l + 1
+            g.points,
+        )
+        _check_found(np.array([ok]))
+        return np.ascontiguousarray(lv.T), scales
 
     def _levels(
         self,

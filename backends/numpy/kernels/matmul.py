@@ -19,10 +19,11 @@ per weight row decodes each block in registers (:mod:`qllama.backends.numpy.kern
 its exact integer sums with the tokens' blocks, unsigned by signed (``vpdpbusd``), and combines the
 float32 terms in the order of ggml's generic C, per block in block order.
 
-The IQ grid formats (IQ3_S, IQ2_XS, IQ2_S) decode each super-block once into its signed grid
-values and sub-block scales, then take plain integer sums with each token
-(:func:`_matmul_iq`): ``(d*y.d) * bsum`` per block in block order, IQ2's ``0.125 * sumf`` at
-the end, as ggml's generic C.
+The IQ grid formats (IQ2_XXS .. IQ3_S, IQ1_S, IQ1_M) and the ternary ones (TQ1_0, TQ2_0)
+decode each super-block once into its signed integers and sub-block scales
+(:mod:`qllama.backends.numpy.kernels.superblocks`), then take plain integer sums with each
+token (:func:`_matmul_iq`): ``(d*y.d) * bsum`` per block in block order (IQ1: ``bsum/8``),
+IQ2's ``0.125 * sumf`` and IQ3_XXS's ``0.25 * sumf`` at the end, as ggml's generic C.
 
 IQ4_NL, MXFP4 and IQ4_XS (the formats whose 4-bit codes index a table of levels) run in the
 32-block loops: each block's levels plus 128 (``decode_levels``) by the activations, minus
@@ -44,7 +45,7 @@ from typing import Any
 import numpy as np
 from numba import njit, prange
 
-from qllama.backends.numpy.kernels import gemm, gemv
+from qllama.backends.numpy.kernels import gemm, gemv, superblocks
 from qllama.backends.numpy.kernels.quantize import TOKEN_TILE, q8_row, q8k_row
 from qllama.backends.numpy.kernels.simd import (
     IQ4_NL,
@@ -56,6 +57,7 @@ from qllama.backends.numpy.kernels.simd import (
     bits_float,
     decode_levels,
     dots,
+    float_bits,
     half_to_float,
     lanes8,
     token_dots,
@@ -63,16 +65,10 @@ from qllama.backends.numpy.kernels.simd import (
 )
 from qllama.ggml_types import GGMLType
 from qllama.jit import INLINE, JIT, named_kernel
-from qllama.quants import iq_grids
+from qllama.quants import fp4
 
 F32 = np.float32
-IQ3_S, IQ2_XS, IQ2_S = (int(GGMLType[n]) for n in ("IQ3_S", "IQ2_XS", "IQ2_S"))
-IQ = (IQ3_S, IQ2_XS, IQ2_S)
-# the grids' values as the dot products read them (numba freezes these into the code)
-GRID_IQ3S = np.ascontiguousarray(iq_grids.IQ3S.ints)
-GRID_IQ2XS = np.ascontiguousarray(iq_grids.IQ2XS.ints)
-GRID_IQ2S = np.ascontiguousarray(iq_grids.IQ2S.ints)
-KSIGNS = iq_grids.parity_signs(np.arange(128))  # 7 sign bits -> 8, the 8th their parity
+IQ = superblocks.FORMATS  # IQ grids and ternary: one integer sum a 256-block (superblocks.py)
 
 
 @njit(**INLINE)
@@ -383,58 +379,18 @@ def _lane_dots(w, lane, xw, b, gs, tpad, isum):
         token_wdots(w, 32 * lane, xw, xo + 2 * t0, gs, isum[t0:])
 
 
-# --- IQ grid formats: IQ3_S, IQ2_XS, IQ2_S -----------------------------------------------------
-
-
-@njit(**INLINE)
-def _iq_type_size(fmt: int) -> int:
-    return 110 if fmt == IQ3_S else 74 if fmt == IQ2_XS else 82
-
-
-@njit(**INLINE)
-def _signed(q, qo, grid, index, signs, n):
-    """``n`` grid values of point ``index`` into ``q[qo:]``, negated where ``signs`` has a bit."""
-    for j in range(n):
-        q[qo + j] = grid[index, j] * (1 - 2 * ((signs >> j) & 1))
-
-
-@njit(**INLINE)
-def _iq_decode(raw, off, fmt, q, sc):
-    """A super-block's signed values into ``q`` (256 int8) and ``2s + 1`` of each 16 values
-    into ``sc`` (16 int32); returns d."""
-    if fmt == IQ3_S:
-        for g in range(64):  # groups of 4: index bit 8 in qh, a sign byte per 8 values
-            hi = (raw[off + 66 + g // 8] >> (g % 8)) & 1
-            index = int(raw[off + 2 + g]) | (int(hi) << 8)
-            signs = int(raw[off + 74 + g // 2]) >> (4 * (g % 2))
-            _signed(q, 4 * g, GRID_IQ3S, index, signs, 4)
-        for b in range(8):
-            s = (raw[off + 106 + b // 2] >> (4 * (b % 2))) & 15
-            sc[2 * b] = sc[2 * b + 1] = 2 * int(s) + 1
-    else:
-        for g in range(32):  # groups of 8
-            if fmt == IQ2_XS:
-                word = int(raw[off + 2 + 2 * g]) | (int(raw[off + 3 + 2 * g]) << 8)
-                _signed(q, 8 * g, GRID_IQ2XS, word & 511, int(KSIGNS[word >> 9]), 8)
-            else:
-                hi = (raw[off + 66 + g // 4] >> (2 * (g % 4))) & 3
-                index = int(raw[off + 2 + g]) | (int(hi) << 8)
-                _signed(q, 8 * g, GRID_IQ2S, index, int(raw[off + 34 + g]), 8)
-        base = off + (66 if fmt == IQ2_XS else 74)
-        for b in range(8):
-            s = raw[base + b]
-            sc[2 * b] = 2 * int(s & 15) + 1
-            sc[2 * b + 1] = 2 * int(s >> 4) + 1
-    return half_to_float(raw, off)
+# --- the 256-block formats of one integer sum a block: IQ grids, ternary ------------------
 
 
 @njit(**INLINE)
 def _matmul_iq(raw, fmt, rows, x, simd, threads):
-    """``x @ W.T`` in ggml's CPU arithmetic for IQ3_S / IQ2_XS / IQ2_S weights: Q8_K
-    activations, per block ``bsum = sum_sub (2s+1) * sum(q * y.qs)`` (exact integers) and
-    ``sumf += (d*y.d) * bsum`` in block order; IQ2 rows end with ``0.125 * sumf``. The
-    integer sums are taken as the K-quants' are (8 lanes, ``lanes8`` for few tokens, token
-    tiles for many) and the lanes added: the same integer."""
+    """``x @ W.T`` in ggml's CPU arithmetic for the formats of
+    :mod:`~qllama.backends.numpy.kernels.superblocks`: Q8_K activations, per block
+    ``bsum = sum_sub scale * sum(q * y.qs)`` (exact integers) and
+    ``sumf += (d*y.d) * (bsum * isum_scale)`` in block order; rows end with
+    ``row_scale * sumf`` (IQ2: 0.125, IQ3_XXS: 0.25). The integer sums are taken as the
+    K-quants' are (8 lanes, ``lanes8`` for few tokens, token tiles for many) and the lanes
+    added: the same integer."""
     tokens, k = x.shape
     xq, dx, _ = _q8k_activations(x)
     out = np.empty((tokens, rows), np.float32)
@@ -459,22 +415,24 @@ def _iq_rows(raw, fmt, r0, r1, xq, dx, out):
     (``lanes8``) added into ``bsum``."""
     tokens, nb = dx.shape
     k = nb * 256
-    ts = _iq_type_size(fmt)
+    ts = superblocks.type_size(fmt)
+    half = np.empty(2, np.uint8)
     q = np.empty(256, np.int8)
     sc = np.empty(16, np.int32)
     aux = np.empty(8, np.int32)
     acc = np.empty(tokens, np.float32)
-    final = F32(1) if fmt == IQ3_S else F32(0.125)
+    final = superblocks.row_scale(fmt)
+    unit = superblocks.isum_scale(fmt)
     for r in range(r0, r1):
         acc[:] = 0
         for b in range(nb):
-            d = _iq_decode(raw, (r * nb + b) * ts, fmt, q, sc)
+            d = superblocks.decode(raw, (r * nb + b) * ts, fmt, q, sc, half)
             for t in range(tokens):
                 lanes8(q, xq, t * k + b * 256, sc, aux, 16)
                 bsum = 0
                 for i in range(8):
                     bsum += aux[i]
-                acc[t] += (d * dx[t, b]) * np.float32(bsum)
+                acc[t] += (d * dx[t, b]) * (np.float32(bsum) * unit)
         for t in range(tokens):
             out[t, r] = final * acc[t]
 
@@ -482,10 +440,11 @@ def _iq_rows(raw, fmt, r0, r1, xq, dx, out):
 @njit(**JIT)
 def _iq_tiles(raw, fmt, r0, r1, xw, tpad, dxt, out):
     """Many tokens: per super-block (decoded once, scales folded into int16 weights
-    regrouped by lane: |w| <= 43 * 31), each lane's sums for 16 tokens at a time
+    regrouped by lane: |w| <= 62 * 31), each lane's sums for 16 tokens at a time
     (``token_wdots``), the lanes added; rows staged as in :func:`_table_tiles`."""
     nb, tokens = dxt.shape
-    ts = _iq_type_size(fmt)
+    ts = superblocks.type_size(fmt)
+    half = np.empty(2, np.uint8)
     gs = tpad * 2  # int16 elements between a lane's pairs
     q = np.empty(256, np.int8)
     sc = np.empty(16, np.int32)
@@ -493,13 +452,14 @@ def _iq_tiles(raw, fmt, r0, r1, xw, tpad, dxt, out):
     isum = np.empty(tpad, np.int32)
     total = np.empty(tokens, np.int32)
     stage = np.empty((16, tokens), np.float32)
-    final = F32(1) if fmt == IQ3_S else F32(0.125)
+    final = superblocks.row_scale(fmt)
+    unit = superblocks.isum_scale(fmt)
     for r in range(r0, r1):
         at = (r - r0) % 16
         acc = stage[at]
         acc[:] = 0
         for b in range(nb):
-            d = _iq_decode(raw, (r * nb + b) * ts, fmt, q, sc)
+            d = superblocks.decode(raw, (r * nb + b) * ts, fmt, q, sc, half)
             _lane_weights(q, sc, 16, w)
             yd = dxt[b]
             total[:] = 0
@@ -508,11 +468,113 @@ def _iq_tiles(raw, fmt, r0, r1, xw, tpad, dxt, out):
                 for t in range(tokens):
                     total[t] += isum[t]
             for t in range(tokens):
-                acc[t] += (d * yd[t]) * np.float32(total[t])
+                acc[t] += (d * yd[t]) * (np.float32(total[t]) * unit)
         for t in range(tokens):
             acc[t] = final * acc[t]
         if at == 15 or r + 1 == r1:
             _unstage(stage, at + 1, out, r - at)
+
+
+# --- Q8_0 formats of 16-blocks or of runs of 32-blocks: NVFP4, Q1_0, Q2_0 ----------------------
+
+NVFP4, Q1_0, Q2_0 = (int(GGMLType[n]) for n in ("NVFP4", "Q1_0", "Q2_0"))
+SMALL = (NVFP4, Q1_0, Q2_0)
+FP4_LEVELS = np.ascontiguousarray(fp4.KVALUES.astype(np.int32))  # MXFP4's doubled E2M1
+UE4M3_HALF = np.ascontiguousarray(fp4.UE4M3_HALF)  # NVFP4's scale byte -> half its value
+
+
+@njit(**INLINE)
+def _small_geometry(fmt):
+    """Bytes of a weight block and the 32-blocks of activations it spans."""
+    if fmt == NVFP4:
+        return 36, 2
+    if fmt == Q1_0:
+        return 18, 4
+    return 18, 2  # Q2_0
+
+
+@njit(**INLINE)
+def _small_decode(raw, off, fmt, q):
+    """The block at ``off``'s integers into ``q`` (64 or 128 int32)."""
+    if fmt == NVFP4:  # qs[8s + j]: low nibble value 16s + j, high 16s + 8 + j
+        for s in range(4):
+            for j in range(8):
+                byte = int(raw[off + 4 + 8 * s + j])
+                q[16 * s + j] = FP4_LEVELS[byte & 15]
+                q[16 * s + 8 + j] = FP4_LEVELS[byte >> 4]
+    elif fmt == Q1_0:  # bit j % 8 of qs[j // 8]: +1, else -1
+        for j in range(128):
+            q[j] = 2 * ((int(raw[off + 2 + j // 8]) >> (j % 8)) & 1) - 1
+    else:  # Q2_0: bits 2(j % 4) of qs[j // 4], minus 1
+        for j in range(64):
+            q[j] = ((int(raw[off + 2 + j // 4]) >> (2 * (j % 4))) & 3) - 1
+
+
+@njit(**INLINE)
+def _matmul_small(raw, fmt, rows, x, simd, threads):
+    """``x @ W.T`` in ggml's CPU arithmetic for NVFP4 / Q1_0 / Q2_0 weights: Q8_0
+    activations; NVFP4 adds ``(d*y.d)*isum`` per 16-block in order (two share a ``y.d``),
+    Q1_0 and Q2_0 ``d * inner`` per weight block, ``inner`` the float32 sum from 0 of
+    ``y.d*isum`` over the 32-blocks it spans, as the oracle's ``group``."""
+    tokens, k = x.shape
+    nb = k // 32
+    qx = np.empty(tokens * k, np.int8)
+    dx = np.empty((tokens, nb), np.float32)
+    sx = np.zeros((tokens, nb), np.float32)
+    flat = x.reshape(-1)
+    for t in prange(tokens):
+        q8_row(flat, t, k, simd, False, qx, dx, sx)
+    out = np.empty((tokens, rows), np.float32)
+    chunks = max(1, min(rows, threads))
+    for c in prange(chunks):
+        r0, r1 = c * rows // chunks, (c + 1) * rows // chunks
+        _small_rows(raw, fmt, r0, r1, qx, dx, out)
+    return out
+
+
+@njit(**JIT)
+def _small_rows(raw, fmt, r0, r1, qx, dx, out):
+    """Per row, each weight block decoded once, then its sums with every token."""
+    tokens, nb = dx.shape
+    k = nb * 32
+    ts, span = _small_geometry(fmt)
+    wb = nb // span  # weight blocks a row
+    q = np.empty(128, np.int32)
+    acc = np.empty(tokens, np.float32)
+    for r in range(r0, r1):
+        acc[:] = 0
+        for b in range(wb):
+            off = (r * wb + b) * ts
+            _small_decode(raw, off, fmt, q)
+            for t in range(tokens):
+                xo = t * k + b * span * 32
+                if fmt == NVFP4:
+                    for s in range(4):
+                        isum = 0
+                        for j in range(16):
+                            isum += q[16 * s + j] * qx[xo + 16 * s + j]
+                        d = UE4M3_HALF[raw[off + s]]
+                        acc[t] += (d * dx[t, b * span + s // 2]) * np.float32(isum)
+                else:
+                    inner = F32(0)
+                    for a in range(span):
+                        isum = 0
+                        for j in range(32):
+                            isum += q[32 * a + j] * qx[xo + 32 * a + j]
+                        inner += dx[t, b * span + a] * np.float32(isum)
+                    acc[t] += _small_d(raw, off, fmt) * inner
+        for t in range(tokens):
+            out[t, r] = acc[t]
+
+
+@njit(**INLINE)
+def _small_d(raw, off, fmt):
+    """Q1_0 / Q2_0's fp16 ``d``; Q1_0's a quiet NaN where the bits are a NaN (its unpack
+    quiets a signalling one, as ggml's widening multiply does)."""
+    d = half_to_float(raw, off)
+    if fmt == Q1_0 and np.isnan(d):
+        d = bits_float(np.int32(float_bits(d) | 0x00400000))
+    return d
 
 
 # One kernel per weight format, the format a constant and every branch on it folded away:
@@ -532,11 +594,19 @@ def _iq_kernel(fmt: int, parallel: bool) -> Any:
     return named_kernel(kernel, "matmul", fmt, parallel)
 
 
+def _small_kernel(fmt: int, parallel: bool) -> Any:
+    def kernel(raw, rows, x, simd, threads):
+        return _matmul_small(raw, fmt, rows, x, simd, threads)
+
+    return named_kernel(kernel, "matmul", fmt, parallel)
+
+
 # Each format parallel over weight rows (numba's threads) and serial: a parallel region has
 # every thread meet at its end, which costs more than a small matmul on one thread, and
 # much more when the machine is busy and a thread is waiting for a core.
 KERNELS = {fmt: (_table_kernel(fmt, True), _table_kernel(fmt, False)) for fmt in TABLE_FORMATS}
 KERNELS.update({fmt: (_iq_kernel(fmt, True), _iq_kernel(fmt, False)) for fmt in IQ})
+KERNELS.update({fmt: (_small_kernel(fmt, True), _small_kernel(fmt, False)) for fmt in SMALL})
 
 
 # Fewer tokens than this: each weight row streamed once per token (kernels/gemv.py); as many or
