@@ -113,8 +113,8 @@ def _quantized_from_f32(
     from qllama.model_files import quantized_once
 
     if variant.type in ("source", "F32"):
-        what = "an importance matrix" if not variant.tensor_types else "tensor types"
-        raise StudyError(f"variant {variant.name!r}: {what} need a quantized type")
+        what = "tensor types need" if variant.tensor_types else "an importance matrix needs"
+        raise StudyError(f"variant {variant.name!r}: {what} a quantized type")
     f32 = Path(build(source, Variant("F32"), cache=cache).path)
     folder = defaults.cache_dir(cache) / "study-variants" / file_sha256(f32)[:16]
     matrix: Path | None = None
