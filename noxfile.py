@@ -141,6 +141,18 @@ def controls(session: nox.Session) -> None:
         session.run("qllama", "ladder", "smollm2-135m-instruct", *which, *out, *common)
 
 
+@nox.session
+def recipe(session: nox.Session) -> None:
+    """A recipe at a bits-per-weight budget for SmolLM2 (`qllama recipe`, docs/choosing.md):
+    the sensitivities measured (cached), the file written, and compared on held-out windows
+    with the stock mixtures, into docs/recipe/. Arguments after -- go to qllama recipe (they
+    override the defaults here; CI: a small recipe, two candidate types, one band)."""
+    session.install("-e", ".[plot]")
+    args = ["smollm2-135m-instruct", "--target-bpw", "5.5", "-o", "recipe.gguf", "--compare"]
+    args += ["--results", "results", "--report", "docs/recipe"]
+    session.run("qllama", "recipe", *args, *session.posargs)
+
+
 # llama.cpp for the peer sessions: built from the llama-cpp-python sdist for the CPU it runs on
 # (AVX-512 only where /proc/cpuinfo has avx512f, never AMX), cached per flags
 # (tools/llama_cpp_build.py).

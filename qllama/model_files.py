@@ -27,8 +27,8 @@ from typing import IO
 from qllama import defaults
 from qllama.atomic import atomic_write
 from qllama.errors import FetchError
+from qllama.gguf.quantizer import Overrides, quantize_file
 from qllama.gguf.quantizer import file_type as parse_file_type
-from qllama.gguf.quantizer import quantize_file
 from qllama.version import __version__
 
 PIP_COMMAND = [sys.executable, "-m", "pip"]
@@ -188,10 +188,12 @@ def quantized_once(
     *,
     imatrix: Path | None = None,
     imatrix_name: str | None = None,
+    overrides: Overrides | None = None,
 ) -> Path:
     """``source`` quantized to file type ``label`` at ``path`` (with the importance matrix
-    file ``imatrix``, recorded as ``imatrix_name``), unless the marker beside it
-    (``.built``) says it was built from the same ``stamp`` and the file is unchanged since."""
+    file ``imatrix``, recorded as ``imatrix_name``, and llama-quantize's ``overrides``),
+    unless the marker beside it (``.built``) says it was built from the same ``stamp`` and
+    the file is unchanged since."""
 
     marker = path.with_name(path.name + ".built")
     try:
@@ -199,7 +201,9 @@ def quantized_once(
             return path
     except (OSError, ValueError):
         pass
-    quantize_file(source, path, label, imatrix=imatrix, imatrix_name=imatrix_name)
+    quantize_file(
+        source, path, label, imatrix=imatrix, imatrix_name=imatrix_name, overrides=overrides
+    )
     with atomic_write(marker, "w") as f:
         json.dump({**stamp, "stamp": _stamp(path)}, f)
     return path

@@ -105,3 +105,28 @@ def test_an_f32_source_is_its_own_f32_variant(folder):
     assert not list((folder / "cache").rglob("*.F32.gguf"))
     q8 = build(source, Variant("Q8_0"))  # quantized from it, into the cache
     assert str(folder / "cache") in q8.path
+
+
+def test_a_variant_with_tensor_types_is_llama_quantize_with_those_overrides(folder):
+    from qllama.gguf.quantizer import Overrides
+    from qllama.gguf.reader import read_gguf
+    from qllama.study.declaration import to_toml
+
+    types = [r"^blk\.0\.attn_q\.weight$=q8_0", r"^blk\.1\.ffn_up\.weight$=q5_0"]
+    study = study_with(folder, type="Q4_0", tensor_types=types)
+    v = study.variant("Q4_0-imatrix")
+    assert v.tensor_types == tuple(types)  # a TOML array, kept as the frozen field's tuple
+    assert r'tensor_types = ["^blk\\.0' in to_toml(study)
+    got = build(study.model_source(), v)
+    assert "-overrides-" in got.path
+    with read_gguf(got.path) as f:
+        assert f.tensors["blk.0.attn_q.weight"].ggml_type.name == "Q8_0"
+        assert f.tensors["blk.1.ffn_up.weight"].ggml_type.name == "Q5_0"
+        assert f.tensors["blk.1.attn_q.weight"].ggml_type.name == "Q4_0"
+    f32 = build(study.model_source(), study.variant("F32"))
+    quantize_file(f32.path, folder / "hand.gguf", "Q4_0", overrides=Overrides.parse(types))
+    assert sha256_file(folder / "hand.gguf") == got.sha256
+    with pytest.raises(StudyError, match="is no pattern"):
+        study_with(folder, type="Q4_0", tensor_types=["blk.(=q8_0"])
+    with pytest.raises(StudyError, match="tensor_types need a quantized type"):
+        study_with(folder, type="F32", tensor_types=types)

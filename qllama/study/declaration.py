@@ -47,6 +47,9 @@ class Variant:
     it after the first ``imatrix_skip_chunks`` (llama-imatrix ``--chunk``: calibrate on a part
     of a corpus that a corpus measure does not score): the type is then quantized with it as
     llama-quantize ``--imatrix`` does, and the matrix's hash is part of the file's name.
+    ``tensor_types`` are llama-quantize ``--tensor-type`` overrides (``NAME=TYPE``, as
+    :meth:`qllama.gguf.quantizer.Overrides.parse` reads them), a recipe's per-tensor choices
+    over the type's mixture; their hash is part of the file's name too.
     """
 
     type: str
@@ -55,6 +58,7 @@ class Variant:
     imatrix_corpus: str | None = None
     imatrix_chunks: int | None = None  # of imatrix_corpus, 512 tokens each (default: all)
     imatrix_skip_chunks: int = 0  # of imatrix_corpus, skipped first
+    tensor_types: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -331,6 +335,8 @@ def check(study: Study) -> None:
             raise StudyError(f"variant {v.name!r}: imatrix_chunks is a positive count of a corpus")
         if v.imatrix_skip_chunks and (not v.imatrix_corpus or v.imatrix_skip_chunks < 0):
             raise StudyError(f"variant {v.name!r}: imatrix_skip_chunks is a count of a corpus")
+        if v.tensor_types:
+            _tensor_types(v)
 
 
 def _options(engine: str, backend: str, options: Mapping[str, Any], where: str) -> None:
@@ -355,6 +361,18 @@ def _file_type(v: Variant) -> None:
             f"variant {v.name!r}: type {v.type!r} is not a file type qllama's quantizer makes "
             f"(nor 'source'); known: {', '.join(FILE_TYPES)}"
         )
+
+
+def _tensor_types(v: Variant) -> None:
+    from qllama.errors import QllamaError
+    from qllama.gguf.quantizer import Overrides
+
+    if v.type in ("source", "F32"):
+        raise StudyError(f"variant {v.name!r}: tensor_types need a quantized type")
+    try:
+        Overrides.parse(list(v.tensor_types))
+    except QllamaError as e:
+        raise StudyError(f"variant {v.name!r}: {e}") from None
 
 
 def _measure_cells(study: Study) -> None:
@@ -575,6 +593,8 @@ def _variant(kw: dict[str, Any], folder: Path) -> Variant:
     corpus = kw.get("imatrix_corpus")
     if corpus and not corpus.startswith("corpus:") and not Path(corpus).is_absolute():
         kw["imatrix_corpus"] = str(folder / corpus)
+    if "tensor_types" in kw:
+        kw["tensor_types"] = tuple(kw["tensor_types"])  # a TOML array: the frozen field's tuple
     return Variant(**kw)
 
 

@@ -85,8 +85,8 @@ def build(
     from qllama.model_files import fetch
     from qllama.model_files import variant as named_variant
 
-    if variant.imatrix or variant.imatrix_corpus:
-        return _with_imatrix(source, variant, cache)
+    if variant.imatrix or variant.imatrix_corpus or variant.tensor_types:
+        return _quantized_from_f32(source, variant, cache)
     if variant.type == "source":
         path = fetch(str(source), cache=cache) if source in MODELS else Path(source)
     else:
@@ -100,32 +100,55 @@ def build(
     return VariantFile(variant, str(path), file_sha256(path))
 
 
-def _with_imatrix(
+def _quantized_from_f32(
     source: str | Path, variant: Variant, cache: str | os.PathLike[str] | None
 ) -> VariantFile:
-    """``variant`` quantized from the F32 file with its importance matrix, as llama-quantize
-    ``--imatrix`` does: the file it names, or one computed from its corpus as llama-imatrix
-    computes it (the CPU arithmetic on the F32 file, windows of 512), kept in the cache."""
-    from qllama.gguf.quantizer import file_type
+    """``variant`` quantized from the F32 file with its importance matrix and/or its
+    ``--tensor-type`` overrides, as llama-quantize ``--imatrix`` and ``--tensor-type`` do:
+    the matrix file it names, or one computed from its corpus as llama-imatrix computes it
+    (the CPU arithmetic on the F32 file, windows of 512), kept in the cache."""
+    import hashlib
+
+    from qllama.gguf.quantizer import Overrides, file_type
     from qllama.model_files import quantized_once
 
     if variant.type in ("source", "F32"):
-        raise StudyError(f"variant {variant.name!r}: an importance matrix needs a quantized type")
+        what = "tensor types need" if variant.tensor_types else "an importance matrix needs"
+        raise StudyError(f"variant {variant.name!r}: {what} a quantized type")
     f32 = Path(build(source, Variant("F32"), cache=cache).path)
     folder = defaults.cache_dir(cache) / "study-variants" / file_sha256(f32)[:16]
+    matrix: Path | None = None
     if variant.imatrix:
         matrix = Path(variant.imatrix)
         if not matrix.is_file():
             raise StudyError(f"variant {variant.name!r}: no imatrix file {matrix}")
-    else:
+    elif variant.imatrix_corpus:
         matrix = _computed_imatrix(f32, variant, folder)
     label = file_type(variant.type).label
-    digest = file_sha256(matrix)
-    path = folder / f"{f32.stem.removesuffix('.F32')}.{label}-imatrix-{digest[:12]}.gguf"
-    stamp = {"source_sha256": file_sha256(f32), "imatrix_sha256": digest, "qllama": __version__}
+    stamp: dict[str, object] = {"source_sha256": file_sha256(f32), "qllama": __version__}
+    name = f"{f32.stem.removesuffix('.F32')}.{label}"
+    overrides = None
+    if variant.tensor_types:
+        overrides = Overrides.parse(list(variant.tensor_types))
+        digest = hashlib.sha256(json.dumps(overrides.as_arguments()).encode()).hexdigest()
+        name += f"-overrides-{digest[:12]}"
+        stamp["overrides_sha256"] = digest
+    if matrix is not None:
+        digest = file_sha256(matrix)
+        name += f"-imatrix-{digest[:12]}"
+        stamp["imatrix_sha256"] = digest
+    path = folder / f"{name}.gguf"
     # llama-quantize records the matrix's path as given (quantize.imatrix.file); the file's
     # name alone keeps the variant's bytes, and so its hash, the same on every machine
-    quantized_once(f32, path, label, stamp, imatrix=matrix, imatrix_name=matrix.name)
+    quantized_once(
+        f32,
+        path,
+        label,
+        stamp,
+        imatrix=matrix,
+        imatrix_name=matrix.name if matrix is not None else None,
+        overrides=overrides,
+    )
     return VariantFile(variant, str(path), file_sha256(path))
 
 

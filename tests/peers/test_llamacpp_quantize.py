@@ -105,3 +105,49 @@ def test_same_file_as_llama_quantize_with_overrides(
     )
     assert run.returncode == 0, run.stderr
     assert_same_file(ours, theirs, "Q4_K_M")
+
+
+@pytest.mark.parametrize("target", [4.6, 5.4])
+def test_a_recipe_is_the_same_file_from_llama_quantize(f32_file, llama_tool, tmp_path, target):
+    """A recipe's overrides (qllama recipe: anchored patterns for every quantized tensor, as a
+    --tensor-type-file) give llama-quantize the file qllama writes. The cells' costs here are
+    made up (a recipe's search and output, not its measurement, are what is compared)."""
+    from qllama.measure.sensitivity import Cell, Sensitivities, candidates, groups
+    from qllama.recipe import recipe as recipes
+
+    with read_gguf(f32_file) as f:
+        gs = groups(f, bands=3)
+        changed = {n for g in gs for n in g.tensors}
+        fixed = sum(t.nbytes for n, t in f.tensors.items() if n not in changed)
+        n_elements = sum(t.n_elements for t in f.tensors.values())
+    cells = {
+        g.name: {
+            t.name: Cell(
+                g.name,
+                t.name,
+                g.nbytes(t),
+                (k + 1) * 2.0 ** -(8 * g.nbytes(t) / sum(g.n_elements)),
+                0.0,
+                1.0,
+            )
+            for t in candidates(g)
+        }
+        for k, g in enumerate(gs)
+    }
+    sens = Sensitivities(str(f32_file), gs, cells, fixed, n_elements)
+    recipe = recipes.choose(sens, target)
+    ours, theirs = tmp_path / "qllama.gguf", tmp_path / "llama.gguf"
+    written = recipes.write(recipe, ours)
+    assert len({t.name for t in recipe.types.values()}) > 1  # a mixture, not one type
+    run = llama_tool(
+        "llama-quantize",
+        "--tensor-type-file",
+        str(written["tensor_types"]),
+        str(f32_file),
+        str(theirs),
+        recipe.file_type.label,
+        "2",
+        timeout=3600,
+    )
+    assert run.returncode == 0, run.stderr
+    assert_same_file(ours, theirs, recipe.file_type.label)
