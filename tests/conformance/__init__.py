@@ -223,13 +223,14 @@ def llama_cpp_version() -> str:
 BUILDERS = ("transformers", "torch", "sentencepiece", "safetensors")  # what writes the files
 
 
-def key(spec: Spec) -> str:
-    """The content key of a built model: the spec, the seed, this builder's code, the
-    converter's version and the versions of the packages that write the files. The runners
-    (tests/conformance/runners.py) are not part of it: changing them rebuilds nothing."""
+def key(spec: Spec, *builders: Path) -> str:
+    """The content key of a built model: the spec, the seed, this builder's code (and that of
+    ``builders``, modules declaring more models), the converter's version and the versions of
+    the packages that write the files. The runners (tests/conformance/runners.py) are not part
+    of it: changing them rebuilds nothing."""
     versions = {name: metadata.version(name) for name in BUILDERS}
     text = json.dumps([dataclasses.asdict(spec), SEED, llama_cpp_version(), versions])
-    text += Path(__file__).read_text()
+    text += Path(__file__).read_text() + "".join(p.read_text() for p in builders)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -388,10 +389,11 @@ def as_older_converter(built: Built) -> Path:
     return out
 
 
-def build(name: str) -> Built:
-    """The model ``name`` of :data:`MODELS`, built and converted once (cached by content)."""
-    spec = MODELS[name]
-    final = cache_root() / f"{name}-{key(spec)}"
+def build(name: str, models: dict[str, Spec] | None = None, *builders: Path) -> Built:
+    """The model ``name`` of :data:`MODELS` (or of ``models``, declared in the modules
+    ``builders``), built and converted once (cached by content)."""
+    spec = (MODELS if models is None else models)[name]
+    final = cache_root() / f"{name}-{key(spec, *builders)}"
     if not (final / "model-f32.gguf").exists():
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{name}-"))

@@ -10,25 +10,10 @@ vocabulary, as olmo2's does.
 
 from __future__ import annotations
 
-import hashlib
-import json
-import shutil
-import tempfile
-from dataclasses import asdict
-from importlib import metadata
 from pathlib import Path
 
-from conformance import (
-    _BASE,
-    BUILDERS,
-    SEED,
-    Built,
-    Spec,
-    build_hf,
-    cache_root,
-    convert,
-    llama_cpp_version,
-)
+import conformance
+from conformance import _BASE, Built, Spec
 
 _EXPERTS = {"num_experts_per_tok": 2}
 _GPT2 = {"vocab_size": 50257}
@@ -142,29 +127,7 @@ MOE_MODELS: dict[str, Spec] = {
 }
 
 
-def key(spec: Spec) -> str:
-    """The content key of a built model (as :func:`conformance.key`, with this file)."""
-    versions = {name: metadata.version(name) for name in BUILDERS}
-    text = json.dumps([asdict(spec), SEED, llama_cpp_version(), versions])
-    text += (Path(__file__).parent / "__init__.py").read_text() + Path(__file__).read_text()
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
 def build(name: str) -> Built:
-    """The model ``name`` of :data:`MOE_MODELS`, built and converted once (cached by content)."""
-    spec = MOE_MODELS[name]
-    final = cache_root() / f"{name}-{key(spec)}"
-    if not (final / "model-f32.gguf").exists():
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{name}-"))
-        try:
-            build_hf(spec, tmp / "hf")
-            convert(tmp / "hf", tmp / "model-f32.gguf")
-            try:
-                tmp.rename(final)
-            except OSError:  # a concurrent builder won
-                shutil.rmtree(tmp, ignore_errors=True)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-    return Built(spec, final / "hf", final / "model-f32.gguf")
+    """The model ``name`` of :data:`MOE_MODELS`, built and converted once (cached by content,
+    this module's code part of the key)."""
+    return conformance.build(name, MOE_MODELS, Path(__file__))
