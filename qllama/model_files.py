@@ -218,12 +218,32 @@ def sha256_file(path: str | os.PathLike[str]) -> str:
     return digest.hexdigest()
 
 
+def file_sha256(path: str | os.PathLike[str]) -> str:
+    """The file's sha256, remembered beside it (``.sha256``) while its size and mtime hold."""
+    path = Path(path)
+    memo = path.with_name(path.name + ".sha256")
+    try:
+        seen = json.loads(memo.read_text())
+        if seen.get("stamp") == _stamp(path):
+            return str(seen["sha256"])
+    except (OSError, ValueError, KeyError):
+        pass
+    digest = sha256_file(path)
+    try:
+        with atomic_write(memo, "w") as f:
+            json.dump({"stamp": _stamp(path), "sha256": digest}, f)
+    except OSError:  # a read-only folder: the hash is still right, only not remembered
+        pass
+    return digest
+
+
 __all__ = [
     "MODELS",
     "ModelSource",
     "cached_path",
     "fetch",
     "fetch_source",
+    "file_sha256",
     "sha256_file",
     "variant",
 ]

@@ -22,7 +22,8 @@ LAYERS: dict[str, set[str]] = {
     "study": {"quants", "gguf", "backends", "runtime", "measure", "serve"},
     "serve": {"quants", "gguf", "backends", "runtime", "measure"},
     "hf": {"quants", "gguf", "backends", "runtime", "measure"},
-    "cli": {"quants", "gguf", "backends", "runtime", "measure", "study", "serve", "hf"},
+    "recipe": {"quants", "gguf", "backends", "runtime", "measure", "study"},
+    "cli": {"quants", "gguf", "backends", "runtime", "measure", "study", "serve", "hf", "recipe"},
 }
 MAX_TOP_LEVEL = 12
 # the top-level modules that use packages: the package's root (its public names), the

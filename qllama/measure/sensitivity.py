@@ -277,8 +277,8 @@ def measure(
     from qllama.gguf.reader import read_gguf
     from qllama.measure import perplexity as P
     from qllama.measure.metrics import summarize
+    from qllama.model_files import file_sha256
     from qllama.runtime.loader import load
-    from qllama.study.variants import file_sha256
     from qllama.version import __version__
 
     f32 = Path(f32_path)

@@ -342,7 +342,7 @@ def corpus_base(
     from qllama.atomic import exclusive
     from qllama.measure import corpus as corpora
     from qllama.measure import kld_base, perplexity
-    from qllama.study.variants import file_sha256
+    from qllama.model_files import file_sha256
 
     _reference_engine("corpus", reference)  # before anything is read
     origin = corpora.from_spec(f"corpus:{corpus}")[1]

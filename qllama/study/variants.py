@@ -14,8 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qllama import defaults
-from qllama.atomic import atomic_write
-from qllama.model_files import MODELS, sha256_file
+from qllama.model_files import MODELS, file_sha256
 from qllama.study.declaration import StudyError, Variant
 from qllama.version import __version__
 
@@ -27,30 +26,6 @@ class VariantFile:
     variant: Variant
     path: str
     sha256: str
-
-
-def _stamp(path: Path) -> dict[str, int]:
-    st = path.stat()
-    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
-
-
-def file_sha256(path: str | os.PathLike[str]) -> str:
-    """The file's sha256, remembered beside it (``.sha256``) while its size and mtime hold."""
-    path = Path(path)
-    memo = path.with_name(path.name + ".sha256")
-    try:
-        seen = json.loads(memo.read_text())
-        if seen.get("stamp") == _stamp(path):
-            return str(seen["sha256"])
-    except (OSError, ValueError, KeyError):
-        pass
-    digest = sha256_file(path)
-    try:
-        with atomic_write(memo, "w") as f:
-            json.dump({"stamp": _stamp(path), "sha256": digest}, f)
-    except OSError:  # a read-only folder: the hash is still right, only not remembered
-        pass
-    return digest
 
 
 def _all_f32(path: Path) -> bool:
