@@ -190,7 +190,7 @@ class Calibration:
     n_windows: int = 2
 
 
-def _threads(threads: int | None) -> dict[str, int]:
+def _threads(threads: int | None) -> dict[str, Any]:
     return {} if threads is None else {"threads": threads}
 
 
