@@ -16,7 +16,7 @@ from qllama.errors import BackendError
 from qllama.runtime import hadamard, kv_attention
 from qllama.runtime.kv_cache import KVCache
 from qllama.synthetic import TinyConfig, write_tiny_llama
-from tests.bounds import gamma
+from bounds import gamma
 
 pytest.importorskip("numba")
 

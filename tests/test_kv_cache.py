@@ -65,7 +65,7 @@ from qllama import quants  # noqa: E402
 from qllama.errors import BackendError  # noqa: E402
 from qllama.quants.iq4_nl import quantize_row_ref  # noqa: E402
 from qllama.runtime import flash_attention, hadamard, kv_types  # noqa: E402
-from tests.bounds import U32, gamma  # noqa: E402
+from bounds import U32, gamma  # noqa: E402
 
 BLOCK_TYPES = ["q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"]
 

@@ -128,3 +128,15 @@ def test_imports_point_down_the_layers() -> None:
 def test_the_package_root_stays_small() -> None:
     top = [p.name for p in (ROOT / "qllama").glob("*.py") if p.name != "__init__.py"]
     assert len(top) <= MAX_TOP_LEVEL, sorted(top)
+
+
+def test_the_wheel_lists_every_package():
+    """pyproject.toml names its packages one by one: a new one left out would import from a
+    checkout and be missing from the installed wheel."""
+    import tomllib
+
+    listed = set(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
+    packages = {name for name, path in MODULES.items() if path.name == "__init__.py"}
+    assert packages == listed
