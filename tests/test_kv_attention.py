@@ -8,6 +8,7 @@ import math
 
 import numpy as np
 import pytest
+from bounds import gamma
 
 import qllama
 from qllama import quants
@@ -16,7 +17,6 @@ from qllama.errors import BackendError
 from qllama.runtime import hadamard, kv_attention
 from qllama.runtime.kv_cache import KVCache
 from qllama.synthetic import TinyConfig, write_tiny_llama
-from bounds import gamma
 
 pytest.importorskip("numba")
 

@@ -3,10 +3,17 @@ array-api-strict), each layer its own, across growth of the capacity."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
+from bounds import U32, gamma
 
+from qllama import quants
 from qllama.array_api import namespace, to_numpy
+from qllama.errors import BackendError
+from qllama.quants.iq4_nl import quantize_row_ref
+from qllama.runtime import flash_attention, hadamard, kv_types
 from qllama.runtime.kv_cache import CAPACITY_STEP, KVCache
 
 NAMESPACES = ["numpy", "torch", "array_api_strict"]
@@ -59,13 +66,6 @@ def test_a_fork_shares_until_one_writes(xp_name):
 
 # --- llama.cpp's cache types (qllama.runtime.kv_types, kv_attention, hadamard, flash_attention) --
 
-import math  # noqa: E402
-
-from qllama import quants  # noqa: E402
-from qllama.errors import BackendError  # noqa: E402
-from qllama.quants.iq4_nl import quantize_row_ref  # noqa: E402
-from qllama.runtime import flash_attention, hadamard, kv_types  # noqa: E402
-from bounds import U32, gamma  # noqa: E402
 
 BLOCK_TYPES = ["q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"]
 

@@ -34,6 +34,7 @@ from array_api_compat import is_numpy_namespace, is_torch_namespace
 from qllama.errors import BackendError
 from qllama.quants.base import Rounding
 from qllama.runtime import kv_types
+from qllama.runtime.hadamard import fwht
 
 PRECISIONS = kv_types.LEGACY  # the named ones; kv_types.parse reads the general form
 CAPACITY_STEP = 256
@@ -185,8 +186,6 @@ class KVCache:
     def _update_typed(self, layer: int, pos: int, k: Any, v: Any) -> tuple[Any, Any]:
         """:meth:`update` for the typed caches (numpy): each token's rows rotated where
         llama.cpp rotates them, then stored as the type's ``from_float`` writes them."""
-        from qllama.runtime.hadamard import fwht
-
         T, n_kv = k.shape[0], self.n_head_kv
         if not self._own[layer]:  # shared with a fork: copy before writing
             self.k[layer], self.v[layer] = self.k[layer].copy(), self.v[layer].copy()
@@ -198,9 +197,8 @@ class KVCache:
             x = fwht(x, n) if n else x  # (T, n_kv, hd)
             hd = x.shape[-1]
             t = self.spec.type_k if which == "k" else self.spec.type_v
-            raw, values = kv_types.from_float(
-                t, x.reshape(T * n_kv, hd), self.rounding
-            )  # rows (T*n_kv, .)
+            rows = x.reshape(T * n_kv, hd)  # (T*n_kv, hd)
+            raw, values = kv_types.from_float(t, rows, self.rounding)
             store[layer][:, pos : pos + T, :] = values.reshape(T, n_kv, hd).transpose(1, 0, 2)
             if which == "k" and raw is not None:
                 self.k_raw[layer][:, pos : pos + T, :] = raw.reshape(T, n_kv, -1).transpose(1, 0, 2)
