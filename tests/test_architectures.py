@@ -268,10 +268,7 @@ def _write(tmp_path: Path, cfg: TinyConfig, **keys: Any) -> Path:
 REFUSED = [
     ("moe", "qwen2", {"expert_count": GGUFValue(ValueType.UINT32, 8)},
      "qwen2.expert_count is 8: qllama computes no mixture of experts for qwen2"),
-    ("yarn", "qwen2", {"rope.scaling.type": "yarn"}, "rope.scaling.type is 'yarn'"),
     ("longrope", "phi3", {"rope.scaling.type": "longrope"}, "is 'longrope'"),
-    ("attn-factor", "phi3", {"rope.scaling.attn_factor": GGUFValue(ValueType.FLOAT32, 1.19)},
-     "scaled RoPE magnitudes"),
     ("temperature", "mistral3",
      {"attention.temperature_scale": GGUFValue(ValueType.FLOAT32, 0.1)},
      "mistral3.attention.temperature_scale is set"),

@@ -460,13 +460,6 @@ def test_transformers_on_the_original_safetensors(name: str) -> None:
         assert float(np.abs(got - ref).max() / np.abs(ref).max()) <= SPEC, setup
 
 
-def test_gpt_oss_with_yarn_is_refused(tmp_path: Path) -> None:
-    """Real gpt-oss files rotate with YaRN, which qllama does not compute: refused by key."""
-    path = _with_keys(tmp_path, "gpt-oss", **{"rope.scaling.type": "yarn"})
-    with pytest.raises(ModelConfigError, match="gpt-oss.rope.scaling.type is 'yarn'"):
-        qllama.load(path)
-
-
 def test_a_typed_kv_cache_with_sinks_is_refused(tmp_path: Path) -> None:
     """llama.cpp's typed caches run its flash attention kernels, which qllama computes
     without attention sinks: a gpt-oss file with one is refused, not run without them."""

@@ -310,6 +310,8 @@ class Architecture:
     rope_off_unless_finetuned: bool = False  # rope.scaling.finetuned = false: no RoPE (granite)
     nope_every: int = 0  # layers with (il + 1) % n skip RoPE (smollm3: 4, fixed in llama.cpp)
     refused_keys: tuple[str, ...] = ()  # keys of features qllama does not compute
+    # the rope.scaling.yarn_* keys llama.cpp reads for this family (the rest keep their defaults)
+    yarn_keys: tuple[str, ...] = ()
     experts: Experts | None = None  # a mixture-of-experts FFN (with expert_count, if optional)
 
     def tensors(self, c: Dims, *, fused_qkv: bool) -> list[Tensor]:
@@ -357,7 +359,8 @@ class Architecture:
 
 
 LLAMA_OPTIONAL = ROPE_FREQS + ATTN_OUTPUT_BIAS + FFN_BIASES
-# mistral3: a llama graph; its attention temperature (Ministral 3) and YaRN are not computed
+# mistral3: a llama graph; its attention temperature (Ministral 3) is not computed; it reads
+# YaRN's betas and log multiplier (mistral3.cpp), which the other families leave at their defaults
 _YARN = (
     "rope.scaling.yarn_beta_fast",
     "rope.scaling.yarn_beta_slow",
@@ -379,7 +382,8 @@ ARCHITECTURES: dict[str, Architecture] = {
             "mistral3",
             RopeLayout.ADJACENT,
             extra_tensors=LLAMA_OPTIONAL,
-            refused_keys=("attention.temperature_scale", *_YARN),
+            refused_keys=("attention.temperature_scale",),
+            yarn_keys=_YARN,
         ),
         Architecture("qwen2", RopeLayout.HALVES, q_width_is_embd=True, extra_tensors=OUTPUT_BIAS),
         Architecture("qwen3", RopeLayout.HALVES, qk_norm=QKNorm.PER_HEAD),
@@ -482,7 +486,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         ),
         # attention sinks, alternating sliding layers (even ones slide), the clamped SwiGLU,
         # biased router and experts, a softmax over the selected logits (openai-moe.cpp);
-        # its YaRN RoPE is refused with rope.scaling.type like every family's
+        # YaRN on every layer, the sliding ones included (their scale is the global one)
         Architecture(
             "gpt-oss",
             RopeLayout.HALVES,
@@ -526,13 +530,28 @@ def architecture(name: str) -> Architecture:
 
 
 @dataclass(frozen=True)
+class Yarn:
+    """YaRN's parameters as llama.cpp hands them to ``ggml_rope_ext`` (its ext_factor is 1
+    under YaRN: no family here reads the key): the context the correction dims are computed
+    for, and the betas that place them."""
+
+    n_ctx_orig: int  # rope.scaling.original_context_length, else context_length
+    beta_fast: float = 32.0  # llama-hparams.h's defaults
+    beta_slow: float = 1.0
+
+
+@dataclass(frozen=True)
 class Rope:
-    """The rotation of one layer: base, linear scale (1 / rope.scaling.factor) and whether the
-    angles are divided by ``rope_freqs.weight`` (Llama 3.1+)."""
+    """The rotation of one layer: base, linear scale (1 / rope.scaling.factor), whether the
+    angles are divided by ``rope_freqs.weight`` (Llama 3.1+), the magnitude llama.cpp passes as
+    attn_factor (its context's yarn_attn_factor, rope.scaling.attn_factor included) and YaRN's
+    parameters where the file scales with YaRN."""
 
     base: float
     scale: float = 1.0
     factors: bool = False
+    attn_factor: float = 1.0
+    yarn: Yarn | None = None
 
 
 @dataclass(frozen=True)

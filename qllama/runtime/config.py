@@ -2,13 +2,15 @@
 
 :meth:`ModelConfig.from_gguf` reads the keys llama.cpp reads for the file's architecture
 (:mod:`qllama.runtime.architectures`), with llama.cpp's defaults, and refuses any value qllama would
-not compute exactly: a scaling type it does not implement (YaRN, LongRoPE), a mixture of
+not compute exactly: a scaling type it does not implement (LongRoPE), a YaRN key llama.cpp
+does not read for the family set to another value than llama.cpp uses, a mixture of
 experts in a family declared without one, a routing it does not compute (grouped top-k, dense
 leading layers, another gating), a key of a feature it lacks.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -27,14 +29,24 @@ from qllama.runtime.architectures import (
     QueryScale,
     Rope,
     SharedExpert,
+    Yarn,
     architecture,
 )
+from qllama.runtime.yarn import context_attn_factor, rope_mscale
 
 MAX_LAYERS = 512  # llama.cpp's LLAMA_MAX_LAYERS
 MAX_CONTEXT = 1 << 24
 MAX_WIDTH = 1 << 20
 MAX_EXPERTS = 1024  # llama.cpp's LLAMA_MAX_EXPERTS
-ROPE_SCALINGS = ("none", "linear")  # what qllama computes of rope.scaling.type
+ROPE_SCALINGS = ("none", "linear", "yarn")  # what qllama computes of rope.scaling.type
+# the YaRN keys llama.cpp leaves at these values unless the family reads them
+# (Architecture.yarn_keys): a file that sets one to another value describes another model
+YARN_DEFAULTS = {
+    "rope.scaling.yarn_ext_factor": 1.0,
+    "rope.scaling.yarn_beta_fast": 32.0,
+    "rope.scaling.yarn_beta_slow": 1.0,
+    "rope.scaling.yarn_log_multiplier": 0.0,
+}
 
 
 @dataclass(frozen=True)
@@ -189,11 +201,48 @@ class _Reader:
                 f"{self.p}.rope.scaling.type is '{scaling}': qllama computes "
                 f"{' and '.join(ROPE_SCALINGS)} RoPE scaling only"
             )
+
+    def rope(self, n_ctx: int) -> Rope:
+        """The global layers' rotation: base, scale, rope_freqs, magnitude and YaRN, as
+        llama.cpp's load_hparams and llama_context read them."""
+        base = self.real("rope.freq_base", 10000.0)
+        factor = self.real("rope.scaling.factor", 0.0, positive=False)
+        if factor == 0.0:
+            factor = self.real("rope.scale_linear", 0.0, positive=False)
+        scaling = self.text("rope.scaling.type", "linear")
+        scale = 1.0 if factor == 0.0 or scaling == "none" else 1.0 / factor
+        factors = "rope_freqs.weight" in self.f.tensors
         attn_factor = self.real("rope.scaling.attn_factor", 1.0)
-        if attn_factor != 1.0:
+        if scaling != "yarn":
+            return Rope(base, scale, factors, attn_factor)
+        read = {k: self.real(k, v, positive=k.endswith("_fast") or k.endswith("_slow"))
+                for k, v in YARN_DEFAULTS.items()}  # fmt: skip
+        for key, value in read.items():
+            if key not in self.a.yarn_keys and value != YARN_DEFAULTS[key]:
+                raise ModelConfigError(
+                    f"{self.p}.{key} is {value}: llama.cpp computes {self.p}'s YaRN with "
+                    f"{YARN_DEFAULTS[key]} whatever the file says"
+                )
+        log_mul = read["rope.scaling.yarn_log_multiplier"]
+        attn = context_attn_factor(scale, log_mul, attn_factor)
+        self.check_yarn_magnitude(rope_mscale(context_attn_factor(scale, log_mul, 1.0), scale))
+        orig = self.integer("rope.scaling.original_context_length", 0, MAX_CONTEXT, default=0)
+        yarn = Yarn(
+            orig or n_ctx,
+            read["rope.scaling.yarn_beta_fast"],
+            read["rope.scaling.yarn_beta_slow"],
+        )
+        return Rope(base, scale, factors, attn, yarn)
+
+    def check_yarn_magnitude(self, computed: float) -> None:
+        """``yarn_attn_factor`` (what the converter writes of transformers' attention_factor)
+        is not read by llama.cpp, which computes the magnitude from the factor: a file whose
+        value is another one is refused."""
+        given = self.real("rope.scaling.yarn_attn_factor", computed)
+        if abs(given - computed) > 1e-6 * computed:
             raise ModelConfigError(
-                f"{self.p}.rope.scaling.attn_factor is {attn_factor}: scaled RoPE magnitudes "
-                "(LongRoPE, YaRN) are not supported"
+                f"{self.p}.rope.scaling.yarn_attn_factor is {given}: llama.cpp computes "
+                f"{self.p}'s YaRN magnitude as {computed:.7g} from rope.scaling.factor"
             )
 
     def experts(self, n_ff: int) -> dict[str, Any]:
@@ -279,7 +328,7 @@ class _Reader:
             )
         return n_head, n_head_kv, k_len, v_len, n_rot
 
-    def layer_kinds(self, n_layer: int, base: float, scale: float, factors: bool) -> tuple:
+    def layer_kinds(self, n_layer: int, rope: Rope) -> tuple:
         """Per block: the rotation (with the sliding layers' own base) and the window."""
         a = self.a
         window = self.integer("attention.sliding_window", 0, MAX_CONTEXT, default=a.swa_window)
@@ -288,19 +337,19 @@ class _Reader:
         ):
             window = 0
         sliding = self.sliding_layers(n_layer) if window else [False] * n_layer
-        swa_base = a.swa_rope_base_default or base
-        swa_rope = Rope(
-            self.real("rope.freq_base_swa", swa_base) if a.swa_rope_base_key else base,
-            1.0 if a.swa_rope_scale_one else scale,
-            factors,
+        swa_base = a.swa_rope_base_default or rope.base
+        swa_rope = dataclasses.replace(
+            rope,
+            base=self.real("rope.freq_base_swa", swa_base) if a.swa_rope_base_key else rope.base,
+            scale=1.0 if a.swa_rope_scale_one else rope.scale,
         )
         rope_on = not a.rope_off_unless_finetuned or self.flag("rope.scaling.finetuned", True)
         kinds = []
         for i in range(n_layer):
-            rope: Rope | None = swa_rope if sliding[i] else Rope(base, scale, factors)
+            kind: Rope | None = swa_rope if sliding[i] else rope
             if not rope_on or (a.nope_every and (i + 1) % a.nope_every == 0):
-                rope = None
-            kinds.append(LayerKind(rope, window if sliding[i] else 0))
+                kind = None
+            kinds.append(LayerKind(kind, window if sliding[i] else 0))
         return tuple(kinds)
 
     def sliding_layers(self, n_layer: int) -> list[bool]:
@@ -337,15 +386,11 @@ class _Reader:
         n_vocab_default = (
             len(tokens.value) if tokens is not None and isinstance(tokens.value, list) else None
         )
-        base = self.real("rope.freq_base", 10000.0)
-        factor = self.real("rope.scaling.factor", 0.0, positive=False)
-        if factor == 0.0:
-            factor = self.real("rope.scale_linear", 0.0, positive=False)
-        scaling = self.text("rope.scaling.type", "linear")
-        scale = 1.0 if factor == 0.0 or scaling == "none" else 1.0 / factor
-        factors = "rope_freqs.weight" in self.f.tensors
-        kinds = self.layer_kinds(n_layer, base, scale, factors)
-        uniform = all(k == LayerKind(Rope(base, scale, factors)) for k in kinds)
+        n_ctx = self.integer("context_length", 1, MAX_CONTEXT)
+        rope = self.rope(n_ctx)
+        kinds = self.layer_kinds(n_layer, rope)
+        plain = Rope(rope.base, rope.scale, rope.factors)  # what ModelConfig.layer() makes
+        uniform = rope == plain and all(k == LayerKind(rope) for k in kinds)
         scaled = a.scales_logits_and_residuals
         emb = 0.0
         if a.embedding == Embedding.SQRT_EMBD:
@@ -360,15 +405,15 @@ class _Reader:
             n_head=n_head,
             n_head_kv=n_head_kv,
             n_ff=n_ff,
-            n_ctx=self.integer("context_length", 1, MAX_CONTEXT),
-            rope_base=base,
+            n_ctx=n_ctx,
+            rope_base=rope.base,
             eps=self.real("attention.layer_norm_rms_epsilon"),
             arch=a.name,
             key_length=k_len,
             value_length=v_len,
             n_rot=n_rot,
-            rope_scale=scale,
-            rope_freqs=factors,
+            rope_scale=rope.scale,
+            rope_freqs=rope.factors,
             layers=() if uniform else kinds,
             attn_scale=self.query_scale(n_embd, n_head, n_layer),
             attn_softcap=self.softcap("attn_logit_softcapping", a.attn_softcap),

@@ -48,6 +48,7 @@ from qllama.errors import (
 from qllama.gguf.reader import GGUFFile
 from qllama.quants.base import Rounding
 from qllama.runtime import generation, kv_attention, routing
+from qllama.runtime import yarn as yarn_math
 from qllama.runtime.architectures import (
     Activation,
     ExpertActivation,
@@ -57,6 +58,7 @@ from qllama.runtime.architectures import (
     Rope,
     RopeLayout,
     SharedExpert,
+    Yarn,
 )
 from qllama.runtime.chat_template import ChatTemplate
 from qllama.runtime.config import ModelConfig
@@ -170,18 +172,31 @@ def rope_tables(
     xp: Namespace,
     scale: float = 1.0,
     factors: Array = None,
+    attn_factor: float = 1.0,
+    yarn: Yarn | None = None,
 ) -> tuple[Array, Array]:
-    """cos and sin of position * theta_i, theta_i = base^(-2i/n_rot) * scale / factors_i:
-    (n_ctx, n_rot/2). ``scale`` is the linear scaling (1 / rope.scaling.factor), ``factors``
-    Llama 3.1's rope_freqs (ggml_rope_ext divides by them)."""
+    """cos and sin of position * theta_i, theta_i = base^(-2i/n_rot) * scale / factors_i, times
+    ``attn_factor``: (n_ctx, n_rot/2). ``scale`` is the linear scaling (1 / rope.scaling.factor),
+    ``factors`` Llama 3.1's rope_freqs (ggml_rope_ext divides by them). Under ``yarn`` a pair
+    keeps the unscaled angle in the share its ramp says and the magnitude grows by
+    1 + 0.1 ln(1 / scale), as ggml's rope_yarn (:mod:`qllama.runtime.yarn`)."""
     exponents = xp.arange(0, n_rot, 2, dtype=xp.float32) / n_rot
     inv_freq = 1.0 / xp.pow(xp.asarray(base, dtype=xp.float32), exponents)
     if factors is not None:
         inv_freq = inv_freq / factors
-    if scale != 1.0:
+    if yarn is not None:
+        low, high = yarn_math.corr_dims(
+            n_rot, yarn.n_ctx_orig, base, yarn.beta_fast, yarn.beta_slow
+        )
+        mix = yarn_math.ramp(low, high, n_rot // 2, xp=xp)  # (n_rot/2,), ext_factor 1
+        inv_freq = inv_freq * scale * (1.0 - mix) + inv_freq * mix
+        attn_factor = yarn_math.rope_mscale(attn_factor, scale)
+    elif scale != 1.0:
         inv_freq = inv_freq * scale
     angles = xp.arange(n_ctx, dtype=xp.float32)[:, None] * inv_freq[None, :]
-    return xp.cos(angles), xp.sin(angles)
+    if attn_factor == 1.0:
+        return xp.cos(angles), xp.sin(angles)
+    return xp.cos(angles) * attn_factor, xp.sin(angles) * attn_factor
 
 
 def rope(x: Array, cos: Array, sin: Array, *, xp: Namespace) -> Array:
@@ -548,6 +563,8 @@ class Model:
                     xp=xp,
                     scale=r.scale,
                     factors=factors if r.factors else None,
+                    attn_factor=r.attn_factor,
+                    yarn=r.yarn,
                 )
                 tables[r] = (self.backend.asarray(cos), self.backend.asarray(sin))
             self.rope_tables = tables
