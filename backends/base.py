@@ -171,6 +171,25 @@ def expert_matmul(backend: Backend, x: Any, experts: Sequence[Any], selected: An
     return xp.reshape(out, (T, k, out.shape[-1]))
 
 
+def router_softmax(x: Any, *, xp: Any) -> Any:
+    """The router's softmax over the last axis in the array API: exp(x - max), times the
+    reciprocal of the sum (not divided by the sum, as ggml). No term is dropped, unlike the
+    attention's softmax: a router row is a few dozen logits."""
+    e = xp.exp(x - xp.max(x, axis=-1, keepdims=True))
+    return e * (1.0 / xp.sum(e, axis=-1, keepdims=True))
+
+
+def soft_max(backend: Backend, x: Any) -> Any:
+    """ggml's ``soft_max`` over the last axis of ``x`` (T, n), as a mixture's router uses it
+    (no scale, no mask): the backend's ``soft_max`` where its class has one (the numpy
+    backend's CPU arithmetic: ggml's exps and double sum, bit for bit), else
+    :func:`router_softmax`."""
+    own = getattr(type(backend), "soft_max", None)
+    if own is not None:
+        return own(backend, x)
+    return router_softmax(x, xp=backend.xp)
+
+
 def check_supported(backend: Backend, tensor: QuantTensor, types: frozenset[GGMLType]) -> None:
     """Refuse a weight type a backend does not declare, naming both."""
     if tensor.ggml_type not in types:

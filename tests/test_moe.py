@@ -30,6 +30,7 @@ from qllama.backends.base import QuantTensor, expert_matmul
 from qllama.errors import BackendError, ModelConfigError
 from qllama.ggml_types import GGMLType, ValueType
 from qllama.gguf.reader import GGUFValue
+from qllama.quants.rounding import libm
 from qllama.runtime.architectures import ExpertActivation, Gating, SharedExpert, architecture
 from qllama.runtime.model import (
     MIN_WEIGHT_SUM,
@@ -209,9 +210,16 @@ def oracle_moe(m: Any, x: np.ndarray, i: int) -> np.ndarray:
     if layer.ffn_gate_inp_bias is not None:
         logits = logits + layer.ffn_gate_inp_bias
 
+    expf = np.vectorize(libm("expf"), otypes=[np.float32])
+
     def softmax(v: np.ndarray) -> np.ndarray:
-        ex = np.exp(v - v.max())
-        return ex * (np.float32(1.0) / ex.sum())  # times the reciprocal, as ggml
+        # ggml's scalar loop (the rounding "ref"): libm's expf, summed in double in order,
+        # times the float32 reciprocal of the sum
+        ex = expf(v - v.max())
+        total = 0.0
+        for val in ex.tolist():
+            total += val
+        return ex * np.float32(1.0 / total)
 
     def bias(b: np.ndarray | None, j: int) -> Any:
         return 0 if b is None else b[j]

@@ -39,8 +39,9 @@ import numpy as np
 from qllama import quants
 from qllama.array_api import namespace
 from qllama.backends.array_api import ALL_TYPES, ArrayBackend, Blocks, Dense
-from qllama.backends.base import QuantTensor, check_supported, require_device
+from qllama.backends.base import QuantTensor, check_supported, require_device, router_softmax
 from qllama.backends.numpy.oracle import Activations, WeightBlocks, vec_dot
+from qllama.backends.numpy.softmax import soft_max as ggml_soft_max
 from qllama.errors import BackendError, TensorShapeError
 from qllama.ggml_types import GGMLType
 from qllama.quants.base import Fields, QuantType, Rounding
@@ -332,6 +333,14 @@ class NumpyBackend(ArrayBackend):
         if self.activations == "f32":
             return self._matmul_f32(x, w)
         return self._matmul_q8(x, w)
+
+    def soft_max(self, x: Any) -> Any:
+        """A router's softmax (T, n): ggml's CPU op bit for bit in the CPU arithmetic (its
+        8-lane AVX2 blocks under ``activation_rounding="simd"``, its scalar loop under
+        ``"ref"``: :mod:`qllama.backends.numpy.softmax`), the array-API form otherwise."""
+        if not self._q8:
+            return router_softmax(x, xp=self.xp)
+        return ggml_soft_max(x, simd=self.activation_rounding == "simd")
 
     def attention_scores(self, q: np.ndarray, k: np.ndarray) -> np.ndarray:
         """``q @ k^T`` per KV head (:func:`~qllama.backends.base.attention_scores`), for a

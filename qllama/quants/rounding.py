@@ -3,11 +3,17 @@
 ggml's quantizers are C loops in float32. To give the same bytes, sums run in index order
 (:func:`c_sum`), products keep C's left-to-right grouping, roundings and casts are the
 instructions the x86 build uses (:func:`nearest_int`, :func:`round_away`, :func:`c_int32`),
-max scans keep C's tie and NaN behaviour, and half-precision scales are written with ggml's
-own conversion (:func:`fp16_bits`).
+max scans keep C's tie and NaN behaviour, half-precision scales are written with ggml's
+own conversion (:func:`fp16_bits`), libm's float functions are libm's (:func:`libm`) and a
+fused multiply-add rounds once (:func:`fma`).
 """
 
 from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+from collections.abc import Callable
 
 import numpy as np
 
@@ -15,6 +21,38 @@ F32 = np.float32
 
 _MAGIC = F32(12582912.0)  # 1.5 * 2**23
 _INT32_MIN = np.int32(np.iinfo(np.int32).min)
+
+
+# --- libm and fused multiply-add ----------------------------------------------------------------
+
+
+@functools.cache
+def libm(name: str) -> Callable[[float], float]:
+    """libm's float function ``name`` (``expf``, ``tanhf``), as the compiled kernel calls it."""
+    path = ctypes.util.find_library("m")
+    lib = ctypes.CDLL(path) if path else ctypes.CDLL(None)
+    fn = getattr(lib, name)
+    fn.restype, fn.argtypes = ctypes.c_float, [ctypes.c_float]
+    return fn
+
+
+def fma(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """float32 ``a*b + c`` rounded once (numpy, elementwise). The product is exact in
+    float64; the float64 sum ``s`` and its error ``e`` (two-sum) hold the exact result, and
+    rounding ``s`` to float32 is the right answer unless ``s`` lies exactly halfway between
+    two floats, where ``e`` says which side the exact value is on."""
+    a64, b64, c64 = (np.asarray(z, dtype=F32).astype(np.float64) for z in (a, b, c))
+    p = a64 * b64
+    s = p + c64
+    bb = s - p
+    e = (p - (s - bb)) + (c64 - bb)
+    r = s.astype(F32)
+    r64 = r.astype(np.float64)
+    other = np.nextafter(r, np.where(s > r64, F32(np.inf), F32(-np.inf))).astype(F32)
+    o64 = other.astype(np.float64)
+    tie = (s != r64) & ((r64 + o64) * 0.5 == s)
+    toward_other = np.sign(e) == np.sign(o64 - r64)
+    return np.where(tie & (e != 0) & toward_other, other, r).astype(F32)
 
 
 # --- rounding and casts ------------------------------------------------------------------------

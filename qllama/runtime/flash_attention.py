@@ -17,44 +17,13 @@ ggml_compute_forward_flash_attn_ext_f16_one_chunk``)::
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
 import importlib
-from collections.abc import Callable
 
 import numpy as np
 
+from qllama.quants.rounding import fma, libm
+
 F32 = np.float32
-
-
-@functools.cache
-def libm(name: str) -> Callable[[float], float]:
-    """libm's float function ``name`` (``expf``, ``tanhf``), as the compiled kernel calls it."""
-    path = ctypes.util.find_library("m")
-    lib = ctypes.CDLL(path) if path else ctypes.CDLL(None)
-    fn = getattr(lib, name)
-    fn.restype, fn.argtypes = ctypes.c_float, [ctypes.c_float]
-    return fn
-
-
-def fma(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
-    """float32 ``a*b + c`` rounded once (numpy, elementwise). The product is exact in
-    float64; the float64 sum ``s`` and its error ``e`` (two-sum) hold the exact result, and
-    rounding ``s`` to float32 is the right answer unless ``s`` lies exactly halfway between
-    two floats, where ``e`` says which side the exact value is on."""
-    a64, b64, c64 = (np.asarray(z, dtype=F32).astype(np.float64) for z in (a, b, c))
-    p = a64 * b64
-    s = p + c64
-    bb = s - p
-    e = (p - (s - bb)) + (c64 - bb)
-    r = s.astype(F32)
-    r64 = r.astype(np.float64)
-    other = np.nextafter(r, np.where(s > r64, F32(np.inf), F32(-np.inf))).astype(F32)
-    o64 = other.astype(np.float64)
-    tie = (s != r64) & ((r64 + o64) * 0.5 == s)
-    toward_other = np.sign(e) == np.sign(o64 - r64)
-    return np.where(tie & (e != 0) & toward_other, other, r).astype(F32)
 
 
 def _f16(x: np.ndarray) -> np.ndarray:

@@ -36,6 +36,8 @@ from qllama.backends.base import (
     attention_scores,
     expert_matmul,
     matmuls,
+    router_softmax,
+    soft_max,
 )
 from qllama.errors import (
     BackendError,
@@ -234,14 +236,6 @@ def gelu_tanh(x: Array, *, xp: Namespace) -> Array:
 ACTIVATIONS = {Activation.SILU: silu, Activation.GELU_TANH: gelu_tanh}
 
 
-def router_softmax(x: Array, *, xp: Namespace) -> Array:
-    """The router's softmax over the last axis as ggml's CPU op computes it: exp(x - max),
-    times the reciprocal of the sum (not divided by the sum). No term is dropped, unlike
-    :func:`softmax`: a router row is a few dozen logits."""
-    e = xp.exp(x - xp.max(x, axis=-1, keepdims=True))
-    return e * (1.0 / xp.sum(e, axis=-1, keepdims=True))
-
-
 def top_k(x: Array, k: int, *, xp: Namespace) -> Array:
     """The indices of the k largest values of each row (T, n) -> (T, k), the largest first,
     equal values by ascending index: ggml's argsort_top_k (a full descending std::sort), whose
@@ -264,15 +258,22 @@ MIN_WEIGHT_SUM = 2.0**-14
 
 
 def expert_weights(
-    probs: Array, selected: Array, gating: Gating, norm: bool, scale: float, *, xp: Namespace
+    probs: Array,
+    selected: Array,
+    gating: Gating,
+    norm: bool,
+    scale: float,
+    *,
+    xp: Namespace,
+    softmax: Callable[[Array], Array] | None = None,
 ) -> Array:
     """The weight of each token's selected experts (T, k), as build_moe_ffn computes it: the
     gated values of the selected experts (a softmax over the k selected logits under
-    SOFTMAX_WEIGHT), divided by their sum (at least 2^-14) if ``norm``, times ``scale`` unless
-    it is 0 or 1."""
+    SOFTMAX_WEIGHT: ``softmax``, else :func:`router_softmax`), divided by their sum (at least
+    2^-14) if ``norm``, times ``scale`` unless it is 0 or 1."""
     w = gather_rows(probs, selected, xp=xp)  # (T, k)
     if gating == Gating.SOFTMAX_WEIGHT:
-        w = router_softmax(w, xp=xp)
+        w = softmax(w) if softmax is not None else router_softmax(w, xp=xp)
     if norm:
         total = xp.sum(w, axis=-1, keepdims=True)  # (T, 1)
         w = w / xp.where(total < MIN_WEIGHT_SUM, MIN_WEIGHT_SUM, total)
@@ -771,14 +772,22 @@ class Model:
         logits = self._linear(x, layer.ffn_gate_inp, layer.ffn_gate_inp_bias)  # (T, n_expert)
         if observer is not None:
             observer(f"blk.{i}.router", logits)
-        probs = router_softmax(logits, xp=xp) if e.gating == Gating.SOFTMAX else logits
+        # ggml's soft_max as the backend computes it (the CPU arithmetic's exps and double sum)
+        softmax = functools.partial(soft_max, self.backend)
+        probs = softmax(logits) if e.gating == Gating.SOFTMAX else logits
         selected = top_k(probs, k, xp=xp)  # (T, k), the best first
         if c.n_expert > routing.THRESHOLD:  # past 16, ggml's std::sort ranks ties its own way
             ranked = routing.break_ties(to_numpy(probs), to_numpy(selected))
             if ranked is not None:
                 selected = self.backend.asarray(ranked)
         weights = expert_weights(
-            probs, selected, e.gating, c.expert_weights_norm, c.expert_weights_scale, xp=xp
+            probs,
+            selected,
+            e.gating,
+            c.expert_weights_norm,
+            c.expert_weights_scale,
+            xp=xp,
+            softmax=softmax,
         )  # (T, k)
         flat = xp.reshape(selected, (-1,))  # (T*k,) for the experts' biases
         up = self._experts(x, layer.ffn_up_exps, layer.ffn_up_exps_bias, selected, flat)
