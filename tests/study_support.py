@@ -54,12 +54,18 @@ b = "Q8_0-dequantize-all"
 MEASURES = '"last_position", "teacher_forcing", "teacher_forcing_batched", "free_generation"'
 
 
-def write_study(folder: Path, *, measures: str = MEASURES, extra: str = "") -> Path:
-    """A tiny random llama (F32) and a study of it, in ``folder``; returns the TOML's path."""
-    from qllama.synthetic import write_tiny_llama
+def write_study(
+    folder: Path, *, measures: str = MEASURES, extra: str = "", family: Any = None
+) -> Path:
+    """A tiny random model (F32: a llama, or ``family``, a TinyConfig) and a study of it, in
+    ``folder``; returns the TOML's path."""
+    from qllama.synthetic import write_tiny, write_tiny_llama
 
     if not (folder / "tiny.gguf").exists():
-        write_tiny_llama(folder / "tiny.gguf")
+        if family is None:
+            write_tiny_llama(folder / "tiny.gguf")
+        else:
+            write_tiny(folder / "tiny.gguf", family)
     path = folder / "tiny.toml"
     path.write_text(TOML.format(measures=measures, extra=extra))
     return path

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from test_architectures import FAMILIES
 
 from qllama.cli import main
 from qllama.measure import perplexity
-from qllama.synthetic import TinyConfig, write_tiny_llama
+from qllama.synthetic import TinyConfig, write_tiny, write_tiny_llama
 
 TEXT = "Now is the winter of our discontent made glorious summer by this sun of York. " * 40
 
@@ -104,3 +106,26 @@ def test_an_interrupt_leaves_no_half_written_base(files, capsys, tmp_path: Path,
     assert run(files["f32"], *args) == 130
     assert "interrupted" in capsys.readouterr().err
     assert list(out.iterdir()) == []
+
+
+@pytest.mark.parametrize("name", ["qwen3moe", "gpt-oss"])
+def test_a_mixture_of_experts_file(capsys, tmp_path: Path, name: str):
+    """A MoE file runs unchanged: its perplexity, a base saved from its F32 file (qllama's
+    f32 format), and its Q8_0 file (the CPU arithmetic) compared with that base; the F32 file
+    against its own base differs by nothing."""
+    cfg = replace(FAMILIES[name], n_ctx=128)
+    f32, q8, text = tmp_path / "f32.gguf", tmp_path / "q8.gguf", tmp_path / "text.txt"
+    write_tiny(f32, cfg)
+    write_tiny(q8, replace(cfg, weight_type="Q8_0"))
+    text.write_text(TEXT)
+    base = tmp_path / "base.bin"
+    assert run(f32, "--text", text, "--ctx", 32, "--chunks", 8, "--save-base", base,
+               "--base-format", "f32", "--json", tmp_path / "f32.json") == 0  # fmt: skip
+    ppl = json.loads((tmp_path / "f32.json").read_text())["ppl"]
+    assert ppl > 1.0 and ppl == ppl and ppl != float("inf")
+    for path, js in ((q8, "q8.json"), (f32, "same.json")):
+        assert run(path, "--kl-divergence-base", base, "--json", tmp_path / js) == 0
+    kl = {js: json.loads((tmp_path / js).read_text())["kl"] for js in ("q8.json", "same.json")}
+    assert kl["q8.json"]["n"] == 8 * 15 and kl["q8.json"]["mean_kld"] > 0.0
+    assert kl["same.json"]["mean_kld"] == 0.0 and kl["same.json"]["same_top"] == 1.0
+    capsys.readouterr()

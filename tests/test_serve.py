@@ -12,6 +12,7 @@ CPU arithmetic's rounding bound instead.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import json
 import logging
 import threading
@@ -29,6 +30,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 from bounds import q8_flip_bound  # noqa: E402
+from test_architectures import FAMILIES  # noqa: E402
 
 import qllama  # noqa: E402
 from qllama.array_api import to_numpy  # noqa: E402
@@ -589,3 +591,33 @@ def test_the_load_schema_takes_llama_cpps_cache_types():
     )
     with pytest.raises(ValidationError, match="quantized V cache requires flash_attn"):
         LoadRequest(model="m", path="p", kv_precision="q4_0")
+
+
+@pytest.mark.parametrize("name", ["qwen3moe", "gpt-oss"])
+def test_a_mixture_of_experts_is_served_as_generate(tmp_path: Path, name: str) -> None:
+    """A MoE file (Q8_0, the CPU arithmetic) served unchanged: four requests admitted in one
+    step, whose tokens the engine's batches send to the experts together, each answer what
+    ``generate`` gives its prompt alone."""
+    path = tmp_path / f"{name}.gguf"
+    write_tiny(path, dataclasses.replace(FAMILIES[name], weight_type="Q8_0"))
+    ref = qllama.load(path, backend="numpy")
+    s = ServerThread(create_app(open_models({"moe": path}, backend="numpy"))).start()
+    try:
+        c = client(s)
+        prompts = [[3 + i, 50 + 7 * i, 90] for i in range(4)]
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            with s.app.state.engine.step_lock:
+                futures = [
+                    pool.submit(
+                        c.completions.create, model="moe", prompt=p, max_tokens=6, temperature=0
+                    )
+                    for p in prompts
+                ]
+                deadline = time.monotonic() + TIMEOUT
+                while health(s)["queued"] < 4 and time.monotonic() < deadline:
+                    time.sleep(0.02)
+            answers = [f.result(TIMEOUT).choices[0].text for f in futures]
+        assert answers == [ref.generate(p, max_new_tokens=6).text for p in prompts]
+        assert health(s)["steps"] < health(s)["tokens"]
+    finally:
+        s.stop()

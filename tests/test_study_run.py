@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 from study_support import write_study
+from test_architectures import FAMILIES
 
 from qllama.study import Check, FindingSpec, Options, StudyError, View, load_study, run
 from qllama.study.cache import CellCache
@@ -91,6 +92,23 @@ def test_every_cell_runs_and_the_report_is_written(local_run):
     # each setting with its options, as the declaration writes them (no Python reprs)
     assert "**dequantize-all** = `numpy` with `dequantize_all = true`" in md and "{'" not in md
     assert (folder / "docs" / "plots" / "raw-max_abs.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("name", ["qwen3moe", "gpt-oss"])
+def test_a_mixture_of_experts_study_runs_unchanged(tmp_path, name):
+    """The tiny declaration on a MoE file: its Q8_0 variant quantized from the F32 file
+    (experts slab by slab), every cell measured in both settings, the report written."""
+    study = load_study(write_study(tmp_path, family=FAMILIES[name]))
+    code = run(study, Options(results=tmp_path / "results", docs=tmp_path / "docs"))
+    assert code == 0
+    got = numbers(tmp_path / "results")
+    assert sorted(got) == sorted(c.id for c in product(study))
+    c = got["raw/Q8_0-cpu"]
+    assert c["measures"]["teacher_forcing"]["steps"] == 6
+    q8, f32 = (got[f"raw/{v}-cpu"]["measures"]["last_position"]["max_abs"] for v in ("Q8_0", "F32"))
+    assert 0 <= f32 < 1e-3 < q8  # the random tiny mixture routes on small margins: q8 moves
+    doc = json.loads((tmp_path / "docs" / "results.json").read_text())
+    assert doc["prompts"]["raw"]["compare"]["Q8_0-cpu vs Q8_0-dequantize-all"]["steps"] == 6
 
 
 def test_a_draw_runs_in_its_own_environment(local_run):
