@@ -383,25 +383,30 @@ def test_disconnect_stops_the_sequence(server: ServerThread) -> None:
     assert (h["active"], h["queued"]) == (0, 0)
 
 
-def test_concurrent_requests_are_decoded_together(server: ServerThread, ref: Any) -> None:
-    """Six requests admitted in one step (the engine held meanwhile): fewer passes than
-    tokens, and each answer still what the model gives it alone."""
-    engine = server.app.state.engine
-    c = client(server)
-    prompts = [[3 + i, 50 + 7 * i, 90] for i in range(6)]
-    before = health(server)
-    with concurrent.futures.ThreadPoolExecutor(6) as pool:
-        with engine.step_lock:
+def together(s: ServerThread, model: str, prompts: list[list[int]], n: int) -> list[str]:
+    """Greedy completions of ``prompts``, all admitted in one step (the engine held until
+    every request is queued), so that the engine decodes them in the same batches."""
+    c = client(s)
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        with s.app.state.engine.step_lock:
             futures = [
                 pool.submit(
-                    c.completions.create, model="tiny", prompt=p, max_tokens=8, temperature=0
+                    c.completions.create, model=model, prompt=p, max_tokens=n, temperature=0
                 )
                 for p in prompts
             ]
             deadline = time.monotonic() + TIMEOUT
-            while health(server)["queued"] < 6 and time.monotonic() < deadline:
+            while health(s)["queued"] < len(prompts) and time.monotonic() < deadline:
                 time.sleep(0.02)
-        answers = [f.result(TIMEOUT).choices[0].text for f in futures]
+        return [f.result(TIMEOUT).choices[0].text for f in futures]
+
+
+def test_concurrent_requests_are_decoded_together(server: ServerThread, ref: Any) -> None:
+    """Six requests admitted in one step (the engine held meanwhile): fewer passes than
+    tokens, and each answer still what the model gives it alone."""
+    prompts = [[3 + i, 50 + 7 * i, 90] for i in range(6)]
+    before = health(server)
+    answers = together(server, "tiny", prompts, 8)
     after = health(server)
     assert answers == [ref.generate(p, max_new_tokens=8).text for p in prompts]
     assert after["steps"] - before["steps"] < after["tokens"] - before["tokens"]
@@ -603,20 +608,8 @@ def test_a_mixture_of_experts_is_served_as_generate(tmp_path: Path, name: str) -
     ref = qllama.load(path, backend="numpy")
     s = ServerThread(create_app(open_models({"moe": path}, backend="numpy"))).start()
     try:
-        c = client(s)
         prompts = [[3 + i, 50 + 7 * i, 90] for i in range(4)]
-        with concurrent.futures.ThreadPoolExecutor(4) as pool:
-            with s.app.state.engine.step_lock:
-                futures = [
-                    pool.submit(
-                        c.completions.create, model="moe", prompt=p, max_tokens=6, temperature=0
-                    )
-                    for p in prompts
-                ]
-                deadline = time.monotonic() + TIMEOUT
-                while health(s)["queued"] < 4 and time.monotonic() < deadline:
-                    time.sleep(0.02)
-            answers = [f.result(TIMEOUT).choices[0].text for f in futures]
+        answers = together(s, "moe", prompts, 6)
         assert answers == [ref.generate(p, max_new_tokens=6).text for p in prompts]
         assert health(s)["steps"] < health(s)["tokens"]
     finally:

@@ -10,6 +10,10 @@ code and against llama.cpp's CPU (llama-cpp-python).
    and llama.cpp's CPU give the same 64 greedy tokens, and logits within a stated bound (f32
    and f16 KV caches); and every matmul, fed llama.cpp's own input, gives its output to
    float32 order (the gap is rounding flips of activations, explained at the test).
+
+The families with experts (tests/conformance/moe.py) and the YaRN models
+(tests/conformance/yarn.py) run the same tests: their Q8_0 and Q4_K_M files (and gpt-oss's
+MXFP4_MOE, MXFP4 experts) step by step against llama.cpp.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import conformance as C
 from bounds import forward_bound, q8_flip_bound, reorder_bound
+from conformance import moe, yarn
 from conformance.runners import LlamaCpp, llama_cpp_trace, transformers_logits
 
 import qllama
@@ -35,7 +40,13 @@ from qllama.runtime.generation import Sampler, generate_ids
 pytest.importorskip("llama_cpp")
 pytestmark = pytest.mark.peers
 
-ARCHS = list(C.MODELS)
+# every conformance model, and the module that builds it
+BUILDERS = {
+    **{name: C.build for name in C.MODELS},
+    **{name: moe.build for name in moe.MOE_MODELS},
+    **{name: yarn.build for name in yarn.YARN_MODELS},
+}
+ARCHS = list(BUILDERS)
 BACKENDS = {
     "numpy": {},
     "numpy-dequantize-all": {"dequantize_all": True},
@@ -52,7 +63,7 @@ GELU_FP16 = 4 * 2.0**-11
 
 @pytest.fixture(scope="module", params=ARCHS)
 def built(request: pytest.FixtureRequest) -> C.Built:
-    return C.build(request.param)
+    return BUILDERS[request.param](request.param)
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +109,13 @@ def test_qllama_f32_matches_transformers(built: C.Built, reference: np.ndarray, 
 
 
 QUANTIZED = ("F16", "Q8_0", "Q4_0", "Q4_K_M")
+# the file types of the models with experts: gpt-oss's also with MXFP4 experts (MXFP4_MOE)
+MOE_QUANTIZED = ("Q8_0", "Q4_K_M")
+FTYPES = {
+    **{name: MOE_QUANTIZED for name in [*moe.MOE_MODELS, *yarn.YARN_MODELS]},
+    "gpt-oss": (*MOE_QUANTIZED, "MXFP4_MOE"),
+    "gpt-oss-yarn": (*MOE_QUANTIZED, "MXFP4_MOE"),
+}
 N_GREEDY = 64
 
 
@@ -105,13 +123,13 @@ N_GREEDY = 64
 def quantized(built: C.Built, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp(f"q-{built.spec.name}")
     out = {}
-    for ft in QUANTIZED:
+    for ft in FTYPES.get(built.spec.name, QUANTIZED):
         out[ft] = folder / f"{ft}.gguf"
         quantize_file(built.gguf, out[ft], ft)
     return out
 
 
-@pytest.mark.parametrize("ftype", QUANTIZED)
+@pytest.mark.parametrize("ftype", [*QUANTIZED, "MXFP4_MOE"])
 def test_cpu_arithmetic_matches_llama_cpp(
     built: C.Built, quantized: dict[str, Path], ftype: str
 ) -> None:
@@ -149,6 +167,8 @@ def test_cpu_arithmetic_matches_llama_cpp(
     its own f32 KV differs by 4.2e-4 (gemma2 F16) to 3.0e-2, so the f16 cache is the larger
     part of what a user of llama.cpp's defaults sees.
     """
+    if ftype not in quantized:
+        pytest.skip(f"{built.spec.name} is compared in {', '.join(quantized)}")
     path = quantized[ftype]
     ids = built.ids()
     n_layer = built.spec.config["num_hidden_layers"]
