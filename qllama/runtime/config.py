@@ -215,13 +215,13 @@ class _Reader:
         attn_factor = self.real("rope.scaling.attn_factor", 1.0)
         if scaling != "yarn":
             return Rope(base, scale, factors, attn_factor)
-        read = {k: self.real(k, v, positive=k.endswith("_fast") or k.endswith("_slow"))
-                for k, v in YARN_DEFAULTS.items()}  # fmt: skip
-        for key, value in read.items():
-            if key not in self.a.yarn_keys and value != YARN_DEFAULTS[key]:
+        read = {}
+        for key, default in YARN_DEFAULTS.items():  # the betas > 0, the others >= 0
+            read[key] = value = self.real(key, default, positive=key.endswith(("_fast", "_slow")))
+            if key not in self.a.yarn_keys and value != default:
                 raise ModelConfigError(
                     f"{self.p}.{key} is {value}: llama.cpp computes {self.p}'s YaRN with "
-                    f"{YARN_DEFAULTS[key]} whatever the file says"
+                    f"{default} whatever the file says"
                 )
         log_mul = read["rope.scaling.yarn_log_multiplier"]
         attn = context_attn_factor(scale, log_mul, attn_factor)
