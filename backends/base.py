@@ -106,8 +106,11 @@ def attention_scores(backend: Backend, q: Any, k: Any) -> Any:
 # The glue a backend may compute (:func:`glue`), each with the signature and the numbers of
 # the model's array-API form: rms_norm(x, w, eps); rope(x, cos, sin), adjacent pairs;
 # swiglu(gate, up) = silu(gate) * up; masked_softmax(scores, scale, mask) = softmax(scores *
-# scale + mask) over the last axis, terms below scores.NEGLIGIBLE dropped
-GLUE_OPS = ("rms_norm", "rope", "swiglu", "masked_softmax")
+# scale + mask) over the last axis, terms below scores.NEGLIGIBLE dropped; attention(q, k, v,
+# mask, scale): queries (t, n_head, hd) over a KV head's cached keys (n_kv, S, hd) and values
+# (n_kv, S, hd_v), query head h reading KV head h // (n_head / n_kv), scores by
+# attention_scores, then masked_softmax, then P V: (t, n_head * hd_v)
+GLUE_OPS = ("rms_norm", "rope", "swiglu", "masked_softmax", "attention")
 
 
 def glue(backend: Backend, op: str) -> Callable[..., Any] | None:

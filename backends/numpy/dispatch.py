@@ -349,7 +349,11 @@ class NumpyBackend(ArrayBackend):
             return None
         from qllama.backends.numpy import glue
 
-        return glue.OPS.get(op) if glue.glue_exact() else None
+        if not glue.glue_exact():
+            return None
+        if op in glue.WITH_BACKEND:
+            return functools.partial(glue.WITH_BACKEND[op], self)
+        return glue.OPS.get(op)
 
     def embedding(self, ids: Any, w: Packed | Dense) -> Any:  # type: ignore[override]
         if isinstance(w, Dense):

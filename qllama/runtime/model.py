@@ -358,6 +358,7 @@ class Model:
         self.masked_softmax = glue(backend, "masked_softmax") or functools.partial(
             masked_softmax, xp=xp
         )
+        self.attention = glue(backend, "attention") or self._attention_xp
 
     def forward(
         self,
@@ -689,19 +690,37 @@ class Model:
         """Queries (t, n_head, hd) over keys (n_kv, S, hd) and values (n_kv, S, hd_v) under
         ``mask`` (t, S), with a sink logit per head (n_head,) where the model has them;
         (t, n_head*hd_v)."""
+        c = self.config
+        if sinks is None and not c.attn_softcap and cache.float_operands:
+            return self.attention(q, k, v, mask, c.query_scale)  # the backend's, if it has one
+        return self._attention_xp(q, k, v, mask, c.query_scale, cache, sinks)
+
+    def _attention_xp(
+        self,
+        q: Array,
+        k: Array,
+        v: Array,
+        mask: Array,
+        scale: float,
+        cache: KVCache | None = None,
+        sinks: Array = None,
+    ) -> Array:
+        """:meth:`_attend_rows` in array-API code (``cache`` rounds the operands where its
+        precision says so; None: float32 operands)."""
         xp, c = self.xp, self.config
+        operand = (lambda a: a) if cache is None else cache.operand
         t, hd, n_kv, n_rep, S = q.shape[0], c.head_dim, c.n_head_kv, c.n_rep, k.shape[1]
         # query head h reads kv head h // n_rep: one product per kv head over its query heads
         q = xp.reshape(
-            xp.permute_dims(xp.reshape(cache.operand(q), (t, n_kv, n_rep, hd)), (1, 2, 0, 3)),
+            xp.permute_dims(xp.reshape(operand(q), (t, n_kv, n_rep, hd)), (1, 2, 0, 3)),
             (n_kv, n_rep * t, hd),
         )  # (n_kv, n_rep*t, hd)
         scores = attention_scores(self.backend, q, k)  # (n_kv, n_rep*t, S)
         scores = xp.reshape(scores, (n_kv, n_rep, t, S))  # (n_kv, n_rep, t, S)
         if sinks is None and not c.attn_softcap:
-            p = self.masked_softmax(scores, c.query_scale, mask)  # (n_kv, n_rep, t, S)
+            p = self.masked_softmax(scores, scale, mask)  # (n_kv, n_rep, t, S)
         else:
-            scores = scores * c.query_scale
+            scores = scores * scale
             if c.attn_softcap:
                 scores = softcap(scores, c.attn_softcap, xp=xp)
             if sinks is None:
@@ -709,7 +728,7 @@ class Model:
             else:  # query head h = kv * n_rep + r has sink h
                 sink = xp.reshape(sinks, (n_kv, n_rep, 1, 1))  # (n_kv, n_rep, 1, 1)
                 p = softmax_with_sink(scores + mask, sink, xp=xp)
-        p = cache.operand(p)
+        p = operand(p)
         out = xp.matmul(xp.reshape(p, (n_kv, n_rep * t, S)), v)  # (n_kv, n_rep*t, hd_v)
         out = xp.reshape(out, (n_kv, n_rep, t, c.head_dim_v))  # (n_kv, n_rep, t, hd_v)
         return xp.reshape(
