@@ -20,6 +20,9 @@ import numpy as np
 from qllama.backends.numpy.kernels import glue as kernels
 
 F32 = np.float32
+# A softmax of this many scores or more spreads its rows over numba's threads (a prefill
+# tile's); below it, waking them costs more than it saves (a decode step's 9 x 256)
+THREADED = 1 << 16
 
 
 @functools.cache
@@ -71,9 +74,9 @@ def masked_softmax(scores: np.ndarray, scale: float, mask: np.ndarray) -> np.nda
     out = np.empty_like(scores)
     t, S = mask.shape
     rows = (-1, t, S)  # (R, t, S): every leading axis is a row of queries over the mask
-    kernels.masked_softmax(
-        scores.reshape(rows), scale, np.ascontiguousarray(mask), out.reshape(rows)
-    )
+    # a decode step's few rows on this thread; a prefill tile's on numba's threads too
+    kernel = kernels.masked_softmax if scores.size < THREADED else kernels.masked_softmax_threads
+    kernel(scores.reshape(rows), scale, np.ascontiguousarray(mask), out.reshape(rows))
     return out
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from qllama.backends.numpy.kernels.flash import fma32
@@ -206,24 +206,42 @@ def swiglu(gate: np.ndarray, up: np.ndarray, out: np.ndarray) -> None:
         out[i] = g * (ONE / (ONE + np_expf(-g))) * up[i]
 
 
+@njit(**INLINE)
+def _softmax_row(
+    scores: np.ndarray, scale: float, mask: np.ndarray, out: np.ndarray, r: int, i: int
+) -> None:
+    """Row ``(r, i)`` of :func:`masked_softmax`."""
+    S = scores.shape[2]
+    e = np.empty(S, np.float32)
+    top = -INF
+    for j in range(S):
+        v = scores[r, i, j] * scale + mask[i, j]
+        e[j] = v
+        top = max(top, v)
+    for j in range(S):
+        d = e[j] - top
+        e[j] = ZERO if d < NEGLIGIBLE else np_expf(d)
+    total = pairwise_sum(e, 0, S, False)
+    for j in range(S):
+        out[r, i, j] = e[j] / total
+
+
 @njit(**JIT)
 def masked_softmax(scores: np.ndarray, scale: float, mask: np.ndarray, out: np.ndarray) -> None:
     """``softmax(scores * scale + mask)`` over the last axis, as qllama.runtime.scores does
     it: max-subtracted, terms below NEGLIGIBLE dropped, exp divided by the pairwise sum.
     ``scores`` (R, t, S) rows of queries, ``mask`` (t, S): row ``(r, i)`` reads mask row i."""
-    R, t, S = scores.shape
-    scale = F32(scale)
-    e = np.empty(S, np.float32)
+    R, t = scores.shape[0], scores.shape[1]
     for r in range(R):
         for i in range(t):
-            top = -INF
-            for j in range(S):
-                v = scores[r, i, j] * scale + mask[i, j]
-                e[j] = v
-                top = max(top, v)
-            for j in range(S):
-                d = e[j] - top
-                e[j] = ZERO if d < NEGLIGIBLE else np_expf(d)
-            total = pairwise_sum(e, 0, S, False)
-            for j in range(S):
-                out[r, i, j] = e[j] / total
+            _softmax_row(scores, F32(scale), mask, out, r, i)
+
+
+@njit(**JIT, parallel=True)
+def masked_softmax_threads(
+    scores: np.ndarray, scale: float, mask: np.ndarray, out: np.ndarray
+) -> None:
+    """:func:`masked_softmax` with its rows spread over numba's threads (a prefill tile's)."""
+    R, t = scores.shape[0], scores.shape[1]
+    for rt in prange(R * t):
+        _softmax_row(scores, F32(scale), mask, out, rt // t, rt % t)
