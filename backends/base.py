@@ -10,13 +10,15 @@ the router chose for it), the backend's own ``expert_matmul`` where its class ha
 ``matmul`` per chosen expert over the rows routed to it. Everything else (norms, RoPE,
 attention) is array-API code run on ``backend.xp``, attention a block of queries at a time
 (``attention_bytes``, optional too), its scores by :func:`attention_scores` (the backend's
-optional ``attention_scores(q, k)``, else ``q @ k^T``).
+optional ``attention_scores(q, k)``, else ``q @ k^T``). A backend may compute some of that glue
+itself, with the same numbers in fewer dispatches: :func:`glue` hands the model the backend's
+form of an op of :data:`GLUE_OPS` where it offers one.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -99,6 +101,24 @@ def attention_scores(backend: Backend, q: Any, k: Any) -> Any:
         return own(q, k)
     xp = backend.xp
     return xp.matmul(q, xp.permute_dims(k, (0, 2, 1)))
+
+
+# The glue a backend may compute (:func:`glue`), each with the signature and the numbers of
+# the model's array-API form: rms_norm(x, w, eps); rope(x, cos, sin), adjacent pairs;
+# swiglu(gate, up) = silu(gate) * up; masked_softmax(scores, scale, mask) = softmax(scores *
+# scale + mask) over the last axis, terms below scores.NEGLIGIBLE dropped; attention(q, k, v,
+# mask, scale): queries (t, n_head, hd) over a KV head's cached keys (n_kv, S, hd) and values
+# (n_kv, S, hd_v), query head h reading KV head h // (n_head / n_kv), scores by
+# attention_scores, then masked_softmax, then P V: (t, n_head * hd_v)
+GLUE_OPS = ("rms_norm", "rope", "swiglu", "masked_softmax", "attention")
+
+
+def glue(backend: Backend, op: str) -> Callable[..., Any] | None:
+    """The backend's own form of the forward pass's glue op ``op`` (one of :data:`GLUE_OPS`):
+    what its class's ``glue(op)`` returns (None: it has none for ``op`` here), else None, and
+    the model computes ``op`` in array-API code. Looked up on the class, as :func:`matmuls`."""
+    own = getattr(type(backend), "glue", None)
+    return None if own is None else own(backend, op)
 
 
 def arithmetic(backend: Backend) -> str:

@@ -30,7 +30,7 @@ import importlib.util
 import itertools
 import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, cast
 
@@ -350,6 +350,19 @@ class NumpyBackend(ArrayBackend):
             return np.matmul(q, k.transpose(0, 2, 1))
         # C order: the softmax's sums then run along contiguous rows, as they did before
         return np.ascontiguousarray(np.matmul(k, q.transpose(0, 2, 1)).transpose(0, 2, 1))
+
+    def glue(self, op: str) -> Callable[..., Any] | None:
+        """The compiled form of the model's glue op ``op`` (:func:`~qllama.backends.base.glue`):
+        with the numba kernels, where they give this numpy's bits (``glue_exact``); else None."""
+        if self.kernels != "numba":
+            return None
+        from qllama.backends.numpy import glue
+
+        if not glue.glue_exact():
+            return None
+        if op in glue.WITH_BACKEND:
+            return functools.partial(glue.WITH_BACKEND[op], self)
+        return glue.OPS.get(op)
 
     def embedding(self, ids: Any, w: Packed | Dense) -> Any:  # type: ignore[override]
         if isinstance(w, Dense):

@@ -149,6 +149,12 @@ class KVCache:
         self.capacity = need
         self.slots = xp.arange(need, dtype=xp.int32, device=self.device)  # (capacity,)
 
+    @property
+    def float_operands(self) -> bool:
+        """Whether queries and probabilities enter the attention products as they are
+        (:meth:`operand` is the identity)."""
+        return not self._half_operands
+
     def operand(self, x: Any) -> Any:
         """A query or probability as the attention products see it: rounded to half under
         ``f16`` precision (not under ``f16-flash``)."""

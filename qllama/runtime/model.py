@@ -35,6 +35,7 @@ from qllama.backends.base import (
     attention_bytes,
     attention_scores,
     expert_matmul,
+    glue,
     matmuls,
     router_softmax,
     soft_max,
@@ -66,7 +67,7 @@ from qllama.runtime.chat_template import ChatTemplate
 from qllama.runtime.config import ModelConfig
 from qllama.runtime.generation import Generation
 from qllama.runtime.kv_cache import KVCache
-from qllama.runtime.scores import NEGLIGIBLE, softcap, softmax
+from qllama.runtime.scores import NEGLIGIBLE, masked_softmax, softcap, softmax
 from qllama.runtime.tokenizer import Tokenizer, token_list
 
 # sees the named intermediate values of a forward pass (qllama.runtime.observe): (name, value)
@@ -351,8 +352,8 @@ class Model:
                 "kv_precision f32, f16 or f16-flash"
             )
         self.kinds = [config.layer(i) for i in range(config.n_layer)]  # rotation, window
-        self.rotate = ROTATIONS[self.features.rope]
         self.activation = ACTIVATIONS[self.features.activation]
+        self._glue(backend)
         # RoPE tables grow with the cache, not to n_ctx at once: a file may declare a context
         # of 2^24 positions, and tables that long would take gigabytes before any token runs
         self.rope_tables: dict[Rope, tuple[Array, Array]] = {}
@@ -360,6 +361,20 @@ class Model:
         self.tokenizer = tokenizer  # the file's vocabulary
         self.chat_template = chat_template  # the file's template, if it has one
         self.source = source  # the GGUFFile the weights are views of
+
+    def _glue(self, backend: Backend) -> None:
+        """The non-product ops of a block: the backend's own forms where it has them (the same
+        numbers, in fewer dispatches: :func:`qllama.backends.base.glue`), else array-API code."""
+        xp, f = self.xp, self.features
+        self.rms_norm = glue(backend, "rms_norm") or functools.partial(rms_norm, xp=xp)
+        pairs = glue(backend, "rope") if f.rope == RopeLayout.ADJACENT else None
+        self.rotate = pairs or functools.partial(ROTATIONS[f.rope], xp=xp)
+        fused = glue(backend, "swiglu") if f.activation == Activation.SILU else None
+        self.gated = fused or self._gated
+        self.masked_softmax = glue(backend, "masked_softmax") or functools.partial(
+            masked_softmax, xp=xp
+        )
+        self.attention = glue(backend, "attention") or self._attention_xp
 
     def forward(
         self,
@@ -512,7 +527,7 @@ class Model:
 
     def _norm(self, x: Array, w: Array) -> Array:
         """RMSNorm with weight ``w``; ``x`` itself where the block has no such norm."""
-        return x if w is None else rms_norm(x, w, self.config.eps, xp=self.xp)
+        return x if w is None else self.rms_norm(x, w, self.config.eps)
 
     def _residual(self, h: Array) -> Array:
         """A sublayer's output as it joins the residual stream (granite scales it)."""
@@ -693,23 +708,45 @@ class Model:
         """Queries (t, n_head, hd) over keys (n_kv, S, hd) and values (n_kv, S, hd_v) under
         ``mask`` (t, S), with a sink logit per head (n_head,) where the model has them;
         (t, n_head*hd_v)."""
+        c = self.config
+        if sinks is None and not c.attn_softcap and cache.float_operands:
+            return self.attention(q, k, v, mask, c.query_scale)  # the backend's, if it has one
+        return self._attention_xp(q, k, v, mask, c.query_scale, cache, sinks)
+
+    def _attention_xp(
+        self,
+        q: Array,
+        k: Array,
+        v: Array,
+        mask: Array,
+        scale: float,
+        cache: KVCache | None = None,
+        sinks: Array = None,
+    ) -> Array:
+        """:meth:`_attend_rows` in array-API code (``cache`` rounds the operands where its
+        precision says so; None: float32 operands)."""
         xp, c = self.xp, self.config
+        operand = (lambda a: a) if cache is None else cache.operand
         t, hd, n_kv, n_rep, S = q.shape[0], c.head_dim, c.n_head_kv, c.n_rep, k.shape[1]
         # query head h reads kv head h // n_rep: one product per kv head over its query heads
         q = xp.reshape(
-            xp.permute_dims(xp.reshape(cache.operand(q), (t, n_kv, n_rep, hd)), (1, 2, 0, 3)),
+            xp.permute_dims(xp.reshape(operand(q), (t, n_kv, n_rep, hd)), (1, 2, 0, 3)),
             (n_kv, n_rep * t, hd),
         )  # (n_kv, n_rep*t, hd)
         scores = attention_scores(self.backend, q, k)  # (n_kv, n_rep*t, S)
         scores = xp.reshape(scores, (n_kv, n_rep, t, S))  # (n_kv, n_rep, t, S)
-        scores = scores * c.query_scale
-        if c.attn_softcap:
-            scores = softcap(scores, c.attn_softcap, xp=xp)
-        if sinks is None:
-            p = softmax(scores + mask, xp=xp)  # (n_kv, n_rep, t, S)
-        else:  # query head h = kv * n_rep + r has sink h
-            p = softmax_with_sink(scores + mask, xp.reshape(sinks, (n_kv, n_rep, 1, 1)), xp=xp)
-        p = cache.operand(p)
+        if sinks is None and not c.attn_softcap:
+            p = self.masked_softmax(scores, scale, mask)  # (n_kv, n_rep, t, S)
+        else:
+            scores = scores * scale
+            if c.attn_softcap:
+                scores = softcap(scores, c.attn_softcap, xp=xp)
+            if sinks is None:
+                p = softmax(scores + mask, xp=xp)  # (n_kv, n_rep, t, S)
+            else:  # query head h = kv * n_rep + r has sink h
+                sink = xp.reshape(sinks, (n_kv, n_rep, 1, 1))  # (n_kv, n_rep, 1, 1)
+                p = softmax_with_sink(scores + mask, sink, xp=xp)
+        p = operand(p)
         out = xp.matmul(xp.reshape(p, (n_kv, n_rep * t, S)), v)  # (n_kv, n_rep*t, hd_v)
         out = xp.reshape(out, (n_kv, n_rep, t, c.head_dim_v))  # (n_kv, n_rep, t, hd_v)
         return xp.reshape(
@@ -746,8 +783,8 @@ class Model:
         partial rotary)."""
         n_rot = self.config.rope_dim
         if n_rot == x.shape[-1]:
-            return self.rotate(x, *rot, xp=self.xp)
-        turned = self.rotate(x[..., :n_rot], *rot, xp=self.xp)
+            return self.rotate(x, *rot)
+        turned = self.rotate(x[..., :n_rot], *rot)
         return self.xp.concat([turned, x[..., n_rot:]], axis=-1)
 
     def _ffn(
@@ -839,8 +876,11 @@ class Model:
             gate, up = self._linears(
                 x, (layer.ffn_gate, layer.ffn_gate_bias), (layer.ffn_up, layer.ffn_up_bias)
             )
-        h = self.activation(gate, xp=self.xp) * up
-        return self._linear(h, layer.ffn_down, layer.ffn_down_bias)
+        return self._linear(self.gated(gate, up), layer.ffn_down, layer.ffn_down_bias)
+
+    def _gated(self, gate: Array, up: Array) -> Array:
+        """act(gate) * up, in array-API code."""
+        return self.activation(gate, xp=self.xp) * up
 
     def _check_ids(self, ids: Sequence[int] | Array, pos: int, cache: KVCache) -> list[int]:
         """Check ids and positions against ``cache`` before any work; the ids as ints."""

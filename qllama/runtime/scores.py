@@ -21,6 +21,12 @@ def softmax(x: Array, *, xp: Namespace) -> Array:
     return e / xp.sum(e, axis=-1, keepdims=True)
 
 
+def masked_softmax(scores: Array, scale: float, mask: Array, *, xp: Namespace) -> Array:
+    """:func:`softmax` of ``scores * scale + mask``: attention's probabilities from its raw
+    scores (..., t, S) and additive mask (t, S)."""
+    return softmax(scores * scale + mask, xp=xp)
+
+
 def softcap(x: Array, cap: float, *, xp: Namespace) -> Array:
     """cap * tanh(x / cap): gemma's soft limit on scores and logits."""
     return cap * xp.tanh(x / cap)
