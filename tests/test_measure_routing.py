@@ -222,3 +222,39 @@ def test_the_report_of_a_quantized_mixture(files: dict[str, Path]) -> None:
     assert r.median_margin_changed is not None and r.median_margin_changed < r.median_margin
     assert set(report.to_dict()) >= {"routing", "free", "forced", "explained"}
     assert "share of the mean KLD" in report.format()
+
+
+# --- as a study measure --------------------------------------------------------------------------
+
+
+def test_the_study_measure_stores_and_reads_back_its_report(files: dict[str, Path]) -> None:
+    from qllama.measure.compare import reference_from_model
+    from qllama.study import measures, results
+    from qllama.study.declaration import MeasureSpec, StudyError
+
+    ref_model = qllama.load(files["F32"], backend="numpy", dequantize_all=True)
+    ref = reference_from_model(ref_model, IDS[:8], max_new_tokens=6)
+    model = qllama.load(files["Q4_0"], backend="numpy")
+    spec = MeasureSpec("routing", {"f32": "F32"})
+    out = measures.run(spec, model, ref, files={"F32": str(files["F32"])})
+    assert out.tokens == len(ref.tokens) and out.kld_free.shape == (len(ref.tokens),)
+    # the same numbers as the report computed here, against the F32 file's own run
+    direct = routing_report(model, ref_model, ref.tokens)
+    assert out.to_dict() == direct.to_dict()
+    numbers, arrays = results.encode(out, "routing")
+    back = measures.read("routing", numbers, arrays)
+    assert back.to_dict() == out.to_dict()
+    np.testing.assert_array_equal(back.set_agreement, out.set_agreement)
+    assert results.Measures({"routing": back}).routing is back
+    with pytest.raises(StudyError, match="f32"):
+        measures.run(MeasureSpec("routing"), model, ref)
+    dense = tmp_dense(files["F32"].parent)
+    with pytest.raises(StudyError, match="mixture"):
+        measures.run(spec, qllama.load(dense), ref, files={"F32": str(files["F32"])})
+
+
+def tmp_dense(folder: Path) -> Path:
+    path = folder / "dense.gguf"
+    if not path.exists():
+        write_tiny(path, TinyConfig(**TINY))
+    return path

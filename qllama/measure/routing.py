@@ -308,12 +308,15 @@ def routing_report(
     """``model``'s routing of ``tokens`` against ``reference``'s (two qllama models of the same
     mixture, e.g. a quantized file and its F32 file), and the counterfactual run of ``model``
     with the reference's selection forced (the module's docstring). ``ref_trace``: the
-    reference's recorded run of the same tokens with the router logits, if already made."""
+    reference's recorded run of the same tokens with the router logits (``record(reference,
+    tokens, router=True)``), if already made; ``reference`` is then not run."""
     config = model.config
     if config.n_expert == 0:
         raise QllamaError("routing needs a mixture of experts (the model has no experts)")
     tokens = list(tokens)
     if ref_trace is None:
+        if reference is None:
+            raise QllamaError("routing needs the reference model or its recorded trace")
         ref_trace = record(reference, tokens, router=True)
     if ref_trace.tokens != tokens or ref_trace.positions != list(range(len(tokens))):
         raise QllamaError("the reference trace is not of these tokens at every position")

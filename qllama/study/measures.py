@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from qllama.measure.compare import Reference, free_generation, teacher_forcing
+from qllama.measure.routing import RoutingReport
 from qllama.study import results
 from qllama.study.declaration import MeasureSpec, StudyError
 from qllama.study.results import (
@@ -267,6 +268,44 @@ def attribution_measure(model: Any, ref: Reference, options: Mapping[str, Any]) 
     ).to_dict()
     del out["file"]  # a path of this machine's cache; the cell names its file by hash
     return results.decode(Attribution, out, where="attribution")
+
+
+@functools.lru_cache(maxsize=1)  # the cells of one prompt share it
+def _routing_trace(path: str, tokens: tuple[int, ...]) -> Any:
+    """The F32 variant's run of ``tokens`` by qllama (numpy, dequantize-all), router logits
+    recorded: what a mixture's routing is compared with."""
+    from qllama.runtime.loader import load
+    from qllama.runtime.observe import record
+
+    model = load(path, backend="numpy", dequantize_all=True)
+    try:
+        return record(model, tokens, router=True)
+    finally:
+        model.source.close()
+
+
+@register(
+    "routing",
+    defaults={"f32": None},
+    files=("f32",),
+    about="a mixture's experts against the F32 variant's, per token and layer, and the logit "
+    "error with the F32 variant's experts forced",
+)
+def routing_measure(model: Any, ref: Reference, options: Mapping[str, Any]) -> RoutingReport:
+    """:func:`qllama.measure.routing.routing_report` of the cell's model over the reference's
+    tokens (prompt and continuation) against the F32 variant ``f32`` run by qllama's numpy
+    dequantize-all (its router logits are not in a transformers reference): set, top-1 and
+    ordered agreement of the selected experts, the router-weight error, and the KL divergence
+    and max |Δlogit| with and without the F32 variant's experts forced."""
+    from qllama.measure.routing import routing_report
+
+    if options["f32"] is None:
+        raise StudyError("measure 'routing' needs f32 = the F32 variant's name")
+    if not model.config.n_expert:
+        raise StudyError("measure 'routing' needs a mixture of experts (the model has none)")
+    tokens = tuple(int(t) for t in ref.tokens)
+    reference = _routing_trace(str(options["f32"]), tokens)
+    return routing_report(model, None, tokens, ref_trace=reference)
 
 
 # who runs the F32 variant for a layer trace or a corpus base
