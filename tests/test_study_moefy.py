@@ -99,3 +99,16 @@ def test_what_cannot_be_split_is_refused(dense: Path, tmp_path: Path) -> None:
     with pytest.raises(QllamaError, match="llama"):
         moefy(qwen, tmp_path / "x.gguf")
     assert not (tmp_path / "x.gguf").exists()
+
+
+def test_the_command_line_writes_the_mixture(dense: Path, tmp_path: Path, capsys) -> None:
+    from qllama.cli import main
+
+    out = tmp_path / "moe.gguf"
+    args = ["moefy", str(dense), str(out), "--mode", "upcycle", "--experts", "2", "--k", "1"]
+    assert main(args) == 0
+    assert "wrote" in capsys.readouterr().out
+    c = qllama.load(out).config
+    assert (c.n_expert, c.n_expert_used, c.n_ff_exp) == (2, 1, 128)
+    assert main(["moefy", str(dense), str(tmp_path / "x.gguf"), "--experts", "3"]) != 0
+    assert "equal" in capsys.readouterr().err
