@@ -112,3 +112,17 @@ def test_the_command_line_writes_the_mixture(dense: Path, tmp_path: Path, capsys
     assert (c.n_expert, c.n_expert_used, c.n_ff_exp) == (2, 1, 128)
     assert main(["moefy", str(dense), str(tmp_path / "x.gguf"), "--experts", "3"]) != 0
     assert "equal" in capsys.readouterr().err
+
+
+def test_the_moe_study_declares_known_measures_and_findings() -> None:
+    """experiments/moe.toml: every measure and option registered, every finding found."""
+    from qllama.study import load_study, measures
+    from qllama.study.findings import resolve
+
+    root = Path(__file__).resolve().parents[1]
+    study = load_study(root / "experiments" / "moe.toml")
+    for spec in study.measures:
+        measures.get(spec.name).options(spec.options)
+    assert {"routing", "attribution"} <= {m.name for m in study.measures}
+    assert all(callable(resolve(f, study.folder)) for f in study.findings)
+    assert str(study.model_source()).endswith("smollm2-moe.F32.gguf")
