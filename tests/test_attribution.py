@@ -204,6 +204,11 @@ def test_attribution_by_expert(moe_files):
     assert result.whole == Measure.of(whole, ref)
     assert result.whole.mean_kld > result.baseline.mean_kld
     assert "blk.0.expert0" in result.format()
+    # by class, the expert tensors (3-D) are groups as the 2-D ones are
+    classes = attribute(q4, ref, kind="weights", by="class", f32_path=f32)
+    exps = next(p for p in classes.parts if p.group == "ffn_up_exps")
+    assert exps.tensors == ["blk.0.ffn_up_exps.weight", "blk.1.ffn_up_exps.weight"]
+    assert exps.measure.mean_kld > classes.baseline.mean_kld
     with pytest.raises(QllamaError, match="by expert"):
         attribute(q4, ref, kind="activations", by="expert")
     from qllama.synthetic import TinyConfig, write_tiny

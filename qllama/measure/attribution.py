@@ -213,15 +213,16 @@ class Attribution:
 
 
 def matmul_weights(path: str | os.PathLike[str]) -> tuple[list[str], bool]:
-    """The file's 2-D weights the model uses, and whether its output is tied to the embedding."""
+    """The file's weights of products the model uses (2-D, and a mixture's 3-D expert
+    tensors), and whether its output is tied to the embedding."""
     from qllama.gguf.reader import read_gguf
     from qllama.runtime.config import ModelConfig
-    from qllama.runtime.loader import check_tensors
+    from qllama.runtime.loader import check_tensors, is_weight
 
     with read_gguf(path) as f, warnings.catch_warnings():
         warnings.simplefilter("ignore")  # extra tensors: the load itself warns about them
         tensors = check_tensors(f, ModelConfig.from_gguf(f))
-        names = [n for n, t in tensors.items() if len(t.shape) == 2]
+        names = [n for n, t in tensors.items() if is_weight(n, tuple(t.shape))]
     return names, "output.weight" not in names
 
 
