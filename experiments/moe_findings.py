@@ -113,23 +113,43 @@ def routing_explains_little(view: View) -> Iterator[Check]:
             )
 
 
-# Which experts carry Q4_K_M's weight error: every expert's weights are a copy of one FFN's,
-# quantized alike, so no expert should stand out; measured largest share XX (cpu-cache).
-def expert_shares(view: View) -> Iterator[Check]:
+# The router is F32 in every file (the converter writes it so, llama-quantize never quantizes
+# it), so taking it from the Q4_K_M file changes nothing: exactly 0 excess KL divergence. A
+# quantized file reroutes only because the router's input moved.
+def router_carries_no_weight_error(view: View) -> Iterator[Check]:
+    a = _attribution(view, "Q4_K_M", "class")
+    if a is None:
+        return
+    router = next((p for p in a.parts if p.group == "ffn_gate_inp"), None)
+    if router is not None:
+        yield Check(
+            f"Q4_K_M-{SETTING}",
+            "the router's excess mean KLD",
+            router.excess_mean_kld,
+            "0",
+            router.excess_mean_kld == 0.0,
+        )
+
+
+# Which experts carry Q4_K_M's expert weight error. Were the load even, each of the 120
+# (layer, expert) pairs would carry about 1/120 of it (0.8%); measured on the chat prompt: the
+# last layer's expert 3, which every token uses with a mean weight of 0.79, carries 18%, and
+# layer 11's expert 0 (96% of the tokens) 8.5%, the median expert 0.18%. An expert's share
+# follows its load, not its weights (all copies of one FFN, quantized alike). One prompt
+# measured: not asserted (a bound of a tenth says "a few experts", not "spread").
+CONCENTRATED = 0.1
+
+
+def expert_error_concentrates(view: View) -> Iterator[Check]:
     a = _attribution(view, "Q4_K_M", "expert")
     if a is None:
         return
-    whole = a.whole_excess.mean_kld
-    top = a.parts[0]
-    share = top.excess_mean_kld / whole
-    yield Check(
-        f"Q4_K_M-{SETTING}", f"largest expert share ({top.group})", share, "< 0.1", share < 0.1
-    )
-    ratio = a.sum_of_parts.mean_kld / whole
+    top = a.parts[0]  # ranked, the largest excess first
+    share = top.excess_mean_kld / a.whole_excess.mean_kld
     yield Check(
         f"Q4_K_M-{SETTING}",
-        "experts' sum of the parts / whole (mean KLD)",
-        ratio,
-        "in [0.75, 1.33]",
-        0.75 <= ratio <= 4 / 3,
+        f"largest expert share ({top.group})",
+        share,
+        f"> {CONCENTRATED:g}",
+        share > CONCENTRATED,
     )
