@@ -4,6 +4,7 @@ it, the agreement of two routings, and the counterfactual run with a forced sele
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -161,8 +162,15 @@ def test_agreement_by_hand() -> None:
 # --- the counterfactual ------------------------------------------------------------------------
 
 
-def test_forcing_a_model_s_own_routing_reproduces_it_exactly(files: dict[str, Path]) -> None:
-    model = qllama.load(files["F32"], backend="numpy")
+@pytest.mark.parametrize("backend", ["numpy", "torch", "jax"])
+def test_forcing_a_model_s_own_routing_reproduces_it_exactly(
+    files: dict[str, Path], backend: str
+) -> None:
+    """On every backend: the forced selection comes in as numpy integers, goes to the
+    backend's namespace, and routes exactly as the model's own."""
+    if importlib.util.find_spec(backend) is None:
+        pytest.skip(f"{backend} is not installed")
+    model = qllama.load(files["F32"], backend=backend)
     made, logits = selections(model, IDS)
     forced = to_numpy(model.forward(IDS, all_logits=True, observer=ForcedRouting(made)))
     np.testing.assert_array_equal(forced, logits)
