@@ -278,9 +278,11 @@ def test_the_study_report_has_a_routing_table(files: dict[str, Path]) -> None:
         "Q4_0-cpu": Measures({"routing": routing_report(qllama.load(files["Q4_0"]), ref, IDS)}),
         "dense-cpu": Measures({}),
     }
-    pv = SimpleNamespace(labels=list(cells), measures=cells.__getitem__)
+    pv = SimpleNamespace(name="p", labels=list(cells), measures=cells.__getitem__)
     lines = section_routing(pv)  # type: ignore[arg-type]
     assert lines[0] == "### Routing\n" and "16 tokens x 3 layers, top 2 of 6" in lines[1]
     rows = [line for line in lines if line.startswith("| F32") or line.startswith("| Q4_0")]
     assert len(rows) == 2 and "| 0.00% |" in rows[0] and rows[0].rstrip().endswith("| – |")
-    assert section_routing(SimpleNamespace(labels=["dense-cpu"], measures=cells.__getitem__)) == []
+    assert lines[-1] == "![routing per layer](plots/p-routing.png)\n"
+    dense = SimpleNamespace(name="p", labels=["dense-cpu"], measures=cells.__getitem__)
+    assert section_routing(dense) == []  # type: ignore[arg-type]

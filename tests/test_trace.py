@@ -297,9 +297,12 @@ def test_trace_routing_of_a_mixture_with_qllama_as_the_reference(tmp_path, capsy
     argv = ["trace", str(q4), "--reference", str(f32), "--prompt", "the world"]
     argv += ["--engine", "qllama", "--routing", "--max-new-tokens", "6"]
     argv += ["--setting", "dequantize-all", "--json", str(tmp_path / "t.json")]
-    assert main(argv) == 0
+    plots = importlib.util.find_spec("matplotlib") is not None
+    assert main([*argv, *(["--plot", str(tmp_path / "t.png")] if plots else [])]) == 0
     out = capsys.readouterr().out
     assert "against qllama" in out and "reference's experts forced" in out
+    if plots:  # the routing's plot beside the trace's
+        assert (tmp_path / "t-routing.png").stat().st_size > 1000
     doc = json.loads((tmp_path / "t.json").read_text())
     r = doc["routing"]["dequantize-all"]
     assert r["tokens"] == len(doc["tokens"]) and r["k"] == 2 and r["n_expert"] == 4

@@ -62,7 +62,11 @@ def add_parser(sub: Subparsers) -> None:
         help="a mixture of experts: each setting's selected experts against qllama's F32 run "
         "of the reference file, per token and layer, and the error with its experts forced",
     )
-    s.add_argument("--plot", help="write the error-against-layer plot here (PNG)")
+    s.add_argument(
+        "--plot",
+        help="write the error-against-layer plot here (PNG); with --routing, the routing's "
+        "beside it (NAME-routing.png)",
+    )
     add_json_arg(s)
     s.set_defaults(run=run, check=check)
 
@@ -195,4 +199,17 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         report.plot(args.plot, prompt=args.prompt)
         print(f"wrote {args.plot}")
+    if args.plot and routing:
+        from pathlib import Path
+
+        from qllama.measure.routing import plot_routing
+
+        where = Path(args.plot)
+        where = where.with_name(f"{where.stem}-routing{where.suffix}")
+        plot_routing(
+            routing,
+            where,
+            f"{Path(args.file).name}: experts against {Path(args.reference).name}'s, per layer",
+        )
+        print(f"wrote {where}")
     return 0

@@ -34,6 +34,7 @@ not by where its error lands.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -300,6 +301,46 @@ class RoutingReport:
         for i, (c, w) in enumerate(zip(r.layer_changed, r.layer_weight_error, strict=True)):
             lines.append(f"  {i:<6} {100 * c:>7.2f}% {w:>10.3g}")
         return "\n".join(lines)
+
+
+def plot_routing(
+    reports: dict[str, RoutingReport], path: str | os.PathLike[str], title: str
+) -> None:
+    """Per layer, the fraction of tokens rerouted (bars) and the mean router-weight error
+    (lines, right axis), one colour per run (``reports``: label -> report): a PNG, written
+    atomically."""
+    from qllama.measure.figures import pyplot, save
+
+    fig, ax = pyplot().subplots(figsize=(10, 4))
+    right = ax.twinx()
+    width = 0.8 / max(1, len(reports))
+    for j, (label, r) in enumerate(reports.items()):
+        x = np.arange(r.layers)
+        ax.bar(
+            x + j * width,
+            100 * np.asarray(r.routing.layer_changed),
+            width,
+            color=f"C{j}",
+            alpha=0.6,
+            label=f"{label}: tokens rerouted",
+        )
+        right.plot(
+            x + j * width,
+            r.routing.layer_weight_error,
+            color=f"C{j}",
+            marker="o",
+            ms=3,
+            lw=1,
+            label=f"{label}: router-weight error",
+        )
+    ax.set_xlabel("layer")
+    ax.set_ylabel("tokens whose experts differ (%)")
+    right.set_ylabel("mean router-weight error (L1)")
+    lines = [h for a in (ax, right) for h in a.get_legend_handles_labels()[0]]
+    ax.legend(lines, [h.get_label() for h in lines], fontsize=7)
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    save(fig, path, dpi=120)
 
 
 def routing_report(

@@ -278,6 +278,7 @@ def section_routing(pv: PromptView) -> list[str]:
         "divergence over every position as the cell routes and with the F32 variant's experts "
         "forced, and the share of it that follows the routing changes (qllama.measure.routing).\n",
         *_table(header, rows),
+        f"![routing per layer](plots/{pv.name}-routing.png)\n",
     ]
 
 
