@@ -58,6 +58,15 @@ def test_a_real_split_routes_and_changes_the_model(dense: Path, tmp_path: Path) 
     assert np.abs(logits(out) - logits(dense)).max() > 1e-3
 
 
+def test_noisy_copies_stay_near_the_dense_model(dense: Path, tmp_path: Path) -> None:
+    """Upcycled with 5% noise: no longer the dense model, but nearer it than a split."""
+    near, split = tmp_path / "near.gguf", tmp_path / "split.gguf"
+    moefy(dense, near, MoEfication(n_expert=4, k=2, mode="upcycle", noise=0.05))
+    moefy(dense, split, MoEfication(n_expert=4, k=2))
+    d_near = np.abs(logits(near) - logits(dense)).max()
+    assert 1e-4 < d_near < np.abs(logits(split) - logits(dense)).max()
+
+
 @settings(max_examples=25, deadline=None)
 @given(
     n_clusters=st.sampled_from([1, 2, 4, 8]),

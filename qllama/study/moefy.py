@@ -1,24 +1,29 @@
-"""A mixture of experts made from a dense model (MoEfication, Zhang et al. 2022), for studying
-routing under quantization where no trained mixture can be downloaded.
+"""A mixture of experts made from a dense model, for studying routing under quantization where
+no trained mixture can be downloaded (``qllama moefy``, docs/moe.md).
 
-Each layer's SwiGLU FFN ``down(silu(gate x) * up x)`` is a sum over its ``n_ff`` neurons, so
-splitting the neurons into groups splits it exactly into a sum of smaller FFNs, the experts.
-:func:`moefy` groups them by **balanced k-means** on the directions of their gate rows
-(neurons whose gates point alike fire together): every expert gets ``n_ff / n_expert``
-neurons, as a GGUF expert tensor needs. The **router** row of an expert is the mean of its
-neurons' gate rows, so its logit is the mean pre-activation of its gates, times
-``router_scale``; the model keeps the top ``k`` experts of each token.
+``split`` (MoEfication, Zhang et al. 2022): each layer's SwiGLU FFN ``down(silu(gate x) * up
+x)`` is a sum over its ``n_ff`` neurons, so splitting the neurons into groups splits it exactly
+into a sum of smaller FFNs, the experts. :func:`split_layer` groups them by **balanced
+k-means** on the directions of their gate rows (neurons whose gates point alike fire together):
+every expert gets ``(n_ff - shared) / n_expert`` neurons, as a GGUF expert tensor needs, after
+the ``shared`` most important ones that every expert holds. The **router** row of an expert is
+the mean of its group's gate rows, so its logit is the mean pre-activation of its gates, times
+``router_scale``; the model keeps the top ``k`` experts of each token. Llama's mixture
+(Mixtral, ``llama.expert_count``) normalises the k selected weights to sum 1, where the dense
+FFN weighs every neuron 1: each expert's own neurons' ``down`` columns are multiplied by ``k``
+(the shared ones are not: their k copies' weights add up to 1). With ``k = n_expert`` and
+``router_scale = 0`` the mixture is the dense model, to float rounding (every weight exactly
+1/k, a power of two for 4 or 8). A small model may not survive losing neurons: SmolLM2-135M
+does not (docs/moe.md).
 
-Llama's mixture (Mixtral, ``llama.expert_count``) normalises the k selected weights to sum 1,
-where the dense FFN weighs every neuron 1: each expert's ``down`` is multiplied by ``k``, so k
-experts of equal weight (1/k each) add up to what they computed in the dense model. A small
-``router_scale`` keeps the k weights near equal (the order of the logits, hence the
-selection, does not depend on it); with ``k = n_expert`` and ``router_scale = 0`` the mixture
-is the dense model, to float rounding (every weight is exactly 1/k, a power of two for 8).
+``upcycle`` (sparse upcycling, Komatsuzaki et al. 2022): every expert a copy of the whole FFN,
+each weight times ``1 + noise * N(0, 1)``, routed by the router a split would have
+(:func:`upcycle_layer`); the k weights add up to 1, so the mixture is the dense model up to
+the copies' noise, and keeps its language.
 
 The file is a ``llama`` GGUF with ``expert_count`` and ``expert_used_count``, its
 ``feed_forward_length`` the expert's width, every other tensor and key as in the source;
-:func:`moefy` writes it atomically from an F32 file.
+:func:`moefy` writes it atomically from an F32 file, deterministically (seeded).
 """
 
 from __future__ import annotations
@@ -39,8 +44,8 @@ _DENSE_FFN = ("ffn_gate", "ffn_up", "ffn_down")
 
 @dataclass(frozen=True)
 class MoEfication:
-    """How a dense model is split: experts, how many a token uses, the router's scale, the
-    k-means iterations and seed."""
+    """How a dense model becomes a mixture: experts, how many a token uses, split or upcycled
+    (and what each way takes), the router's scale, the k-means iterations and the seed."""
 
     n_expert: int = 8
     k: int = 2
