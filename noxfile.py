@@ -141,6 +141,24 @@ def controls(session: nox.Session) -> None:
         session.run("qllama", "ladder", "smollm2-135m-instruct", *which, *out, *common)
 
 
+MOE = "experiments/moe.toml"
+MOE_FILE = "results/moe/smollm2-moe.F32.gguf"  # the path experiments/moe.toml reads
+
+
+@nox.session
+def moe(session: nox.Session) -> None:
+    """Where routing meets quantization (docs/moe.md): SmolLM2 upcycled into a mixture of 4
+    experts, 2 per token (qllama moefy, seeded: the same file every time), then the study
+    experiments/moe.toml (its F32, Q8_0 and Q4_K_M files against qllama's F32 run: routing
+    agreement, the error with the F32 file's experts forced, which experts carry the weight
+    error, perplexity over 4 windows) into docs/moe/, its findings asserted. Arguments after
+    -- go to qllama study run."""
+    session.install("-e", ".[plot]")
+    moefy = ["--mode", "upcycle", "--experts", "4", "--k", "2"]
+    session.run("qllama", "moefy", "smollm2-135m-instruct", MOE_FILE, *moefy)
+    session.run("qllama", "study", "run", MOE, "--docs", "docs/moe", *session.posargs)
+
+
 @nox.session
 def recipe(session: nox.Session) -> None:
     """A recipe at a bits-per-weight budget for SmolLM2 (`qllama recipe`, docs/choosing.md):

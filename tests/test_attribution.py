@@ -145,3 +145,75 @@ def test_attribute_command(tiny_variants, reference, tmp_path, capsys):
     argv += ["--kind", "activations", "--plot", str(png), "--top", "5", "--json", str(doc)]
     assert main(argv) == 0
     assert png.read_bytes().startswith(b"\x89PNG") and json.loads(doc.read_text())["parts"]
+
+
+# --- by expert ---------------------------------------------------------------------------------
+
+MOE = dict(arch="qwen3moe", head_dim=32, n_expert=3, n_ff_exp=32, n_layer=2, scale=0.3)
+
+
+@pytest.fixture(scope="module")
+def moe_files(tmp_path_factory) -> dict[str, object]:
+    """One random mixture as F32 and as Q4_0 (same seed: the same weights), and the F32 file's
+    greedy continuation."""
+    from qllama.synthetic import TinyConfig, write_tiny
+
+    folder = tmp_path_factory.mktemp("moe-attribution")
+    out: dict[str, object] = {}
+    for kind in ("F32", "Q4_0"):
+        out[kind] = folder / f"{kind}.gguf"
+        write_tiny(out[kind], TinyConfig(**MOE, weight_type=kind), seed=5)
+    f32 = qllama.load(out["F32"], dequantize_all=True)
+    out["reference"] = reference_from_model(f32, PROMPT, max_new_tokens=NEW)
+    return out
+
+
+def test_an_expert_variant_is_the_file_with_those_slices_swapped(moe_files):
+    """Every expert taken from the Q4_0 file is the F32 file with the three expert tensors
+    taken whole (weights_from=); none taken is the F32 file itself."""
+    from qllama.measure.attribution import with_experts
+
+    f32, q4 = moe_files["F32"], moe_files["Q4_0"]
+    base, donor = qllama.load(f32, activations="f32"), qllama.load(q4, activations="f32")
+    every = [(i, e) for i in range(2) for e in range(3)]
+    overlay = qllama.load(f32, activations="f32", weights_from={"blk.*.ffn_*_exps.weight": q4})
+    ids = PROMPT * 3
+    want = overlay.forward(ids, all_logits=True)
+    assert (with_experts(base, donor, every).forward(ids, all_logits=True) == want).all()
+    assert (
+        with_experts(base, donor, []).forward(ids, all_logits=True)
+        == base.forward(ids, all_logits=True)
+    ).all()
+    one = with_experts(base, donor, [(1, 2)])
+    assert one.weights.layers[1].ffn_up_exps[2] is donor.weights.layers[1].ffn_up_exps[2]
+    assert one.weights.layers[1].ffn_up_exps[1] is base.weights.layers[1].ffn_up_exps[1]
+    assert one.weights.layers[0] is base.weights.layers[0]
+
+
+def test_attribution_by_expert(moe_files):
+    f32, q4, ref = moe_files["F32"], moe_files["Q4_0"], moe_files["reference"]
+    result = attribute(q4, ref, kind="weights", by="expert", f32_path=f32)
+    assert sorted(p.group for p in result.parts) == sorted(
+        f"blk.{i}.expert{e}" for i in range(2) for e in range(3)
+    )
+    assert result.parts[0].tensors == [
+        f"blk.0.{n}.weight[0]" for n in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+    ]
+    assert result.baseline == Measure.of(qllama.load(f32, activations="f32"), ref)
+    whole = qllama.load(f32, activations="f32", weights_from={"blk.*.ffn_*_exps.weight": q4})
+    assert result.whole == Measure.of(whole, ref)
+    assert result.whole.mean_kld > result.baseline.mean_kld
+    assert "blk.0.expert0" in result.format()
+    # by class, the expert tensors (3-D) are groups as the 2-D ones are
+    classes = attribute(q4, ref, kind="weights", by="class", f32_path=f32)
+    exps = next(p for p in classes.parts if p.group == "ffn_up_exps")
+    assert exps.tensors == ["blk.0.ffn_up_exps.weight", "blk.1.ffn_up_exps.weight"]
+    assert exps.measure.mean_kld > classes.baseline.mean_kld
+    with pytest.raises(QllamaError, match="by expert"):
+        attribute(q4, ref, kind="activations", by="expert")
+    from qllama.synthetic import TinyConfig, write_tiny
+
+    dense = f32.parent / "dense.gguf"
+    write_tiny(dense, TinyConfig(n_layer=2))
+    with pytest.raises(QllamaError, match="same mixture"):
+        attribute(q4, ref, kind="weights", by="expert", f32_path=dense)

@@ -164,3 +164,38 @@ def test_a_measure_may_be_limited_to_an_optional_draws_cells(tmp_path):
         "teacher_forcing_batched",
         "last_position",
     ]
+
+
+def test_the_summary_tables_attributions_of_different_kinds_apart():
+    """One cell attributed by class on one prompt and by expert on another: two tables, each
+    with its own groups (one table would look for a class among the experts)."""
+    from types import SimpleNamespace
+
+    from qllama.study.drift_report import summary_attribution
+    from qllama.study.results import Attribution, Excess, Measures, Part, Scores
+
+    def attribution(by: str, groups: list[str]) -> Attribution:
+        s = Scores(0.1, 1.0, 2.0, 1.0)
+        parts = tuple(Part(g, (g,), 0.1, 1.0, 2.0, 1.0, 0.05, 0.5) for g in groups)
+        e = Excess(0.1, 1.0)
+        return Attribution("weights", by, "f32", 4, s, s, e, e, parts)
+
+    def prompt(a: Attribution) -> SimpleNamespace:
+        cell = SimpleNamespace(info={}, measures=Measures({"attribution": a}))
+        return SimpleNamespace(cells={"Q4_K_M-dequantize-all": cell})
+
+    prompts = {
+        "a": prompt(attribution("class", ["attn_q", "ffn_up_exps"])),
+        "b": prompt(attribution("expert", ["blk.0.expert0", "blk.0.expert1"])),
+    }
+    tables: list[list[list[str]]] = []
+
+    def table(header: list[str], rows: list[list[str]]) -> list[str]:
+        tables.append(rows)
+        return []
+
+    summary_attribution(prompts, table)
+    assert [[r[0] for r in t[:2]] for t in tables] == [
+        ["attn_q", "ffn_up_exps"],
+        ["blk.0.expert0", "blk.0.expert1"],
+    ]

@@ -283,3 +283,34 @@ def test_plot_keeps_coinciding_curves_visible(tiny_variants, reference, tmp_path
     report.plot(tmp_path / "t.png", prompt="the cat")
     labels = [label for label, _ in drawn]
     assert labels[2] == "f32 (= dequantize-all)" and len({m for _, m in drawn}) == 2
+
+
+def test_trace_routing_of_a_mixture_with_qllama_as_the_reference(tmp_path, capsys):
+    """A mixture transformers would not read: qllama runs the F32 file for the reference, and
+    --routing adds each setting's routing report, in the table and in the JSON."""
+    from qllama.synthetic import TinyConfig, write_tiny
+
+    moe = dict(arch="qwen3moe", head_dim=32, n_expert=4, n_ff_exp=32, n_layer=2, scale=0.3)
+    f32, q4 = tmp_path / "F32.gguf", tmp_path / "Q4_0.gguf"
+    write_tiny(f32, TinyConfig(**moe), seed=2)
+    write_tiny(q4, TinyConfig(**moe, weight_type="Q4_0"), seed=2)
+    argv = ["trace", str(q4), "--reference", str(f32), "--prompt", "the world"]
+    argv += ["--engine", "qllama", "--routing", "--max-new-tokens", "6"]
+    argv += ["--setting", "dequantize-all", "--json", str(tmp_path / "t.json")]
+    plots = importlib.util.find_spec("matplotlib") is not None
+    assert main([*argv, *(["--plot", str(tmp_path / "t.png")] if plots else [])]) == 0
+    out = capsys.readouterr().out
+    assert "against qllama" in out and "reference's experts forced" in out
+    if plots:  # the routing's plot beside the trace's
+        assert (tmp_path / "t-routing.png").stat().st_size > 1000
+    doc = json.loads((tmp_path / "t.json").read_text())
+    r = doc["routing"]["dequantize-all"]
+    assert r["tokens"] == len(doc["tokens"]) and r["k"] == 2 and r["n_expert"] == 4
+    assert r["free"]["mean_kld"] > 0 and len(r["routing"]["layer_changed"]) == 2
+    assert doc["settings"]["dequantize-all"]["leaves_band"] is not None
+    # a dense file has no routing to report
+    dense = tmp_path / "dense.gguf"
+    write_tiny(dense, TinyConfig(n_layer=2))
+    argv[1], argv[3] = str(dense), str(dense)
+    assert main(argv) == 1
+    assert "not a mixture of experts" in capsys.readouterr().err

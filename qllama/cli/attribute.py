@@ -25,7 +25,12 @@ def add_parser(sub: Subparsers) -> None:
     s.add_argument(
         "--reference", required=True, help="the F32 GGUF (transformers runs it), or a .npz"
     )
-    s.add_argument("--by", choices=["class", "layer", "tensor"], default="class")
+    s.add_argument(
+        "--by",
+        choices=["class", "layer", "tensor", "expert"],
+        default="class",
+        help="expert: each expert of each layer of a mixture (--kind weights)",
+    )
     s.add_argument(
         "--kind",
         choices=["weights", "activations"],

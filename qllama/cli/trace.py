@@ -1,9 +1,11 @@
-"""``qllama trace``: each layer's error against transformers on the F32 file, per setting."""
+"""``qllama trace``: each layer's error against transformers on the F32 file, per setting; with
+``--routing``, a mixture's experts against the F32 file's (qllama.measure.routing)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 from qllama.cli.common import (
@@ -47,7 +49,24 @@ def add_parser(sub: Subparsers) -> None:
     s.add_argument(
         "--band-factor", type=float, default=10.0, help="the F32 control's band (x its error)"
     )
-    s.add_argument("--plot", help="write the error-against-layer plot here (PNG)")
+    s.add_argument(
+        "--engine",
+        choices=["transformers", "qllama"],
+        default="transformers",
+        help="who runs the reference file: transformers f32, or qllama's numpy dequantize-all "
+        "(for files transformers does not read, such as a llama with experts)",
+    )
+    s.add_argument(
+        "--routing",
+        action="store_true",
+        help="a mixture of experts: each setting's selected experts against qllama's F32 run "
+        "of the reference file, per token and layer, and the error with its experts forced",
+    )
+    s.add_argument(
+        "--plot",
+        help="write the error-against-layer plot here (PNG); with --routing, the routing's "
+        "beside it (NAME-routing.png)",
+    )
     add_json_arg(s)
     s.set_defaults(run=run, check=check)
 
@@ -58,7 +77,8 @@ def check(args: argparse.Namespace) -> None:
     from qllama.measure.reference import check_reference_file
     from qllama.runtime.arithmetic import setting
 
-    require_module("transformers", "reference", "the reference (transformers on --reference)")
+    if args.engine == "transformers":
+        require_module("transformers", "reference", "the reference (transformers on --reference)")
     check_reference_file(args.reference)
     for name in args.setting or DEFAULT_SETTINGS:
         if setting(name).backend == "torch":
@@ -82,8 +102,51 @@ def _transformers_tokens(
     return hf, ref.tokens
 
 
+def _qllama_reference(args: argparse.Namespace, prompt: list[int]) -> tuple[Any, Any, list[int]]:
+    """qllama's numpy dequantize-all run of the reference file: the model, its trace of the
+    prompt and its greedy continuation (router logits included for ``--routing``), the
+    tokens."""
+    from qllama.measure.compare import reference_from_model
+    from qllama.measure.trace import positions_from_text
+    from qllama.runtime.loader import load
+    from qllama.runtime.observe import record
+
+    model = load(args.reference, backend="numpy", dequantize_all=True)
+    tokens = prompt
+    if args.max_new_tokens > 0:
+        tokens = reference_from_model(model, prompt, max_new_tokens=args.max_new_tokens).tokens
+    positions = positions_from_text(args.positions, len(tokens), len(prompt))
+    return model, record(model, tokens, positions=positions, qkv=args.qkv), tokens
+
+
+def _routing(
+    args: argparse.Namespace, reference: Any, tokens: list[int], settings: Sequence[str]
+) -> dict[str, Any]:
+    """Each setting's routing report against qllama's F32 run of the reference file."""
+    from qllama.measure.routing import routing_report
+    from qllama.runtime.arithmetic import setting
+    from qllama.runtime.loader import load
+    from qllama.runtime.observe import record
+
+    ref_trace = record(reference, tokens, router=True)
+    out = {}
+    for name in settings:
+        print(f"  routing: {name} ...", file=sys.stderr, flush=True)
+        s = setting(name)
+        model = load(args.file, backend=s.backend, arithmetic=s.arithmetic, **_kv(args))
+        out[name] = routing_report(model, None, tokens, ref_trace=ref_trace)
+        model.source.close()
+    return out
+
+
+def _kv(args: argparse.Namespace) -> dict[str, Any]:
+    return {"kv_precision": args.kv} if args.kv else {}
+
+
 def run(args: argparse.Namespace) -> int:
-    """Trace the reference once, then each setting against it; print the table."""
+    """Trace the reference once, then each setting against it; print the table (and each
+    setting's routing)."""
+    from qllama.errors import QllamaError
     from qllama.measure.reference import transformers_trace
     from qllama.measure.trace import layer_trace, positions_from_text
     from qllama.runtime.arithmetic import setting
@@ -93,10 +156,22 @@ def run(args: argparse.Namespace) -> int:
     each = "; ".join(f"{n} ({setting(n).backend}: {setting(n).about})" for n in settings)
     print(f"qllama {__version__}, settings: {each}", file=sys.stderr, flush=True)
     prompt, stops = prompt_ids(args.file, args.prompt, args.chat)
-    print(f"reference: transformers on {args.reference} ...", file=sys.stderr, flush=True)
-    hf, tokens = _transformers_tokens(args.reference, prompt, stops, args.max_new_tokens)
-    positions = positions_from_text(args.positions, len(tokens), len(prompt))
-    ref = transformers_trace(args.reference, tokens, positions=positions, qkv=args.qkv, model=hf)
+    print(f"reference: {args.engine} on {args.reference} ...", file=sys.stderr, flush=True)
+    qref: Any = None  # qllama's run of the reference file, where one is needed
+    if args.engine == "qllama":
+        qref, ref, tokens = _qllama_reference(args, prompt)
+    else:
+        hf, tokens = _transformers_tokens(args.reference, prompt, stops, args.max_new_tokens)
+        positions = positions_from_text(args.positions, len(tokens), len(prompt))
+        ref = transformers_trace(
+            args.reference, tokens, positions=positions, qkv=args.qkv, model=hf
+        )
+    if args.routing and qref is None:
+        from qllama.runtime.loader import load
+
+        qref = load(args.reference, backend="numpy", dequantize_all=True)
+    if args.routing and not qref.config.n_expert:
+        raise QllamaError(f"--routing: {args.reference} is not a mixture of experts")
     report = layer_trace(
         args.file,
         args.reference,
@@ -106,16 +181,35 @@ def run(args: argparse.Namespace) -> int:
         band_factor=args.band_factor,
         reference=ref,
         progress=lambda what: print(f"  {what} ...", file=sys.stderr, flush=True),
-        **({"kv_precision": args.kv} if args.kv else {}),
+        **_kv(args),
     )
+    routing = _routing(args, qref, tokens, settings) if args.routing else {}
     print(
-        f"{args.file} against transformers on {args.reference}: {len(tokens)} tokens "
+        f"{args.file} against {args.engine} on {args.reference}: {len(tokens)} tokens "
         f"({len(prompt)} prompt), {len(ref.positions)} positions compared\n"
     )
     print(report.format())
+    for name, r in routing.items():
+        print(f"\n{name}: {r.format()}")
     if args.json:  # first: a plot that fails loses no number
-        write_json(args.json, {"tokens": tokens, **report.to_dict()})
+        doc = {"tokens": tokens, "engine": args.engine, **report.to_dict()}
+        if routing:
+            doc["routing"] = {name: r.to_dict() for name, r in routing.items()}
+        write_json(args.json, doc)
     if args.plot:
         report.plot(args.plot, prompt=args.prompt)
         print(f"wrote {args.plot}")
+    if args.plot and routing:
+        from pathlib import Path
+
+        from qllama.measure.routing import plot_routing
+
+        where = Path(args.plot)
+        where = where.with_name(f"{where.stem}-routing{where.suffix}")
+        plot_routing(
+            routing,
+            where,
+            f"{Path(args.file).name}: experts against {Path(args.reference).name}'s, per layer",
+        )
+        print(f"wrote {where}")
     return 0

@@ -16,7 +16,11 @@ kind           cause switched on for a group                everything else
 =============  ===========================================  ===================================
 
 Groups (``by``): the tensor ``class`` (attn_q, attn_k, attn_v, attn_output, ffn_gate, ffn_up,
-ffn_down, output), the ``layer`` (``blk.{i}``, and output), or each ``tensor``. When the file
+ffn_down, output; a mixture's ffn_gate_exps, ffn_up_exps, ffn_down_exps), the ``layer``
+(``blk.{i}``, and output), each ``tensor``, or, for the weights of a mixture, each ``expert``
+of each layer (``blk.{i}.expert{e}``: its slices of ffn_gate_exps, ffn_up_exps and
+ffn_down_exps; :func:`attribute_experts`), the whole then being every expert's slices taken
+from the file and the rest F32. When the file
 ties its output to ``token_embd.weight``, that tensor is the ``output`` group; its weights are
 the embedding's too. An untied ``token_embd`` is its own group for ``weights`` and absent for
 ``activations`` (a row lookup has no activations to quantize).
@@ -27,10 +31,11 @@ as a measure.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -40,7 +45,8 @@ from qllama.errors import QllamaError
 from qllama.measure.compare import Reference, teacher_forcing
 
 KINDS = ("activations", "weights")
-GROUPINGS = ("class", "layer", "tensor")
+GROUPINGS = ("class", "layer", "tensor", "expert")
+EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")  # one 2-D slice per expert
 CLASSES = (
     "attn_q",
     "attn_k",
@@ -207,15 +213,16 @@ class Attribution:
 
 
 def matmul_weights(path: str | os.PathLike[str]) -> tuple[list[str], bool]:
-    """The file's 2-D weights the model uses, and whether its output is tied to the embedding."""
+    """The file's weights of products the model uses (2-D, and a mixture's 3-D expert
+    tensors), and whether its output is tied to the embedding."""
     from qllama.gguf.reader import read_gguf
     from qllama.runtime.config import ModelConfig
-    from qllama.runtime.loader import check_tensors
+    from qllama.runtime.loader import check_tensors, is_weight
 
     with read_gguf(path) as f, warnings.catch_warnings():
         warnings.simplefilter("ignore")  # extra tensors: the load itself warns about them
         tensors = check_tensors(f, ModelConfig.from_gguf(f))
-        names = [n for n, t in tensors.items() if len(t.shape) == 2]
+        names = [n for n, t in tensors.items() if is_weight(n, tuple(t.shape))]
     return names, "output.weight" not in names
 
 
@@ -275,6 +282,18 @@ def attribute(
         raise QllamaError("activations: the rest's arithmetic must differ from q8")
     if not reference.continuation:
         raise QllamaError("the reference has no continuation to teacher-force")
+    if by == "expert":
+        if kind != "weights" or f32_path is None:
+            raise QllamaError("attribution by expert is of the weights: kind 'weights', f32_path")
+        return attribute_experts(
+            path,
+            reference,
+            f32_path=f32_path,
+            arithmetic=arithmetic,
+            backend=backend,
+            progress=progress,
+            **load_options,
+        )
     names, tied = matmul_weights(path)
     parts = groups(names, by, tied=tied, kind=kind)
 
@@ -313,4 +332,86 @@ def attribute(
         baseline=measures[0],
         whole=measures[1],
         parts=[Part(g, ts, m) for (g, ts), m in zip(parts.items(), measures[2:], strict=True)],
+    )
+
+
+# --- by expert -------------------------------------------------------------------------------
+
+
+def with_experts(base: Any, donor: Any, picks: Collection[tuple[int, int]]) -> Any:
+    """A model of ``base``'s weights but for the experts ``picks`` ((layer, expert) pairs),
+    whose gate, up and down slices are ``donor``'s (the same mixture, another file, loaded on
+    the same backend). The weights are shared, not copied; the model has its own KV cache."""
+    from qllama.runtime.model import Model
+
+    layers = []
+    for i, (b, d) in enumerate(zip(base.weights.layers, donor.weights.layers, strict=True)):
+        chosen = {e for j, e in picks if j == i}
+        swapped = {
+            name: tuple(
+                got if e in chosen else own
+                for e, (own, got) in enumerate(zip(getattr(b, name), getattr(d, name), strict=True))
+            )
+            for name in EXPERT_TENSORS
+            if chosen and getattr(b, name) is not None
+        }
+        layers.append(dataclasses.replace(b, **swapped) if swapped else b)
+    return Model(
+        base.config,
+        dataclasses.replace(base.weights, layers=layers),
+        base.backend,
+        tokenizer=base.tokenizer,
+        source=base.source,
+        chat_template=base.chat_template,
+    )
+
+
+def attribute_experts(
+    path: str | os.PathLike[str],
+    reference: Reference,
+    *,
+    f32_path: str | os.PathLike[str],
+    arithmetic: str = "f32",
+    backend: str = "numpy",
+    progress: Progress | None = None,
+    **load_options: Any,
+) -> Attribution:
+    """Which experts' weights carry a mixture's weight error: the F32 file with one expert of
+    one layer (its gate, up and down slices) taken from ``path`` at a time, all on
+    ``arithmetic``, each teacher-forced against ``reference``. The baseline is the F32 file,
+    the whole every expert taken from ``path`` (attention, norms, router and output F32)."""
+    from qllama.runtime.loader import load
+
+    opts = {"backend": backend, "arithmetic": arithmetic, **load_options}
+    base, donor = load(f32_path, **opts), load(path, **opts)
+    try:
+        if base.config != donor.config or not base.config.n_expert:
+            raise QllamaError(f"{path} and {f32_path} are not the same mixture of experts")
+        c = base.config
+        names = [n for n in EXPERT_TENSORS if getattr(base.weights.layers[0], n) is not None]
+        pairs = [(i, e) for i in range(c.n_layer) for e in range(c.n_expert)]
+        plan = [("baseline", []), ("whole", pairs)]
+        plan += [(f"blk.{i}.expert{e}", [(i, e)]) for i, e in pairs]
+        measures: list[Measure] = []
+        for done, (label, picks) in enumerate(plan):
+            if progress is not None:
+                progress(done, len(plan), label)
+            measures.append(Measure.of(with_experts(base, donor, picks), reference))
+        if progress is not None:
+            progress(len(plan), len(plan), "done")
+    finally:
+        base.source.close()
+        donor.source.close()
+    return Attribution(
+        file=str(path),
+        kind="weights",
+        by="expert",
+        arithmetic=arithmetic,
+        steps=len(reference.continuation),
+        baseline=measures[0],
+        whole=measures[1],
+        parts=[
+            Part(f"blk.{i}.expert{e}", [f"blk.{i}.{n}.weight[{e}]" for n in names], m)
+            for (i, e), m in zip(pairs, measures[2:], strict=True)
+        ],
     )

@@ -70,7 +70,8 @@ from qllama.runtime.kv_cache import KVCache
 from qllama.runtime.scores import NEGLIGIBLE, masked_softmax, softcap, softmax
 from qllama.runtime.tokenizer import Tokenizer, token_list
 
-# sees the named intermediate values of a forward pass (qllama.runtime.observe): (name, value)
+# sees the named intermediate values of a forward pass (qllama.runtime.observe): (name, value);
+# what it returns is ignored, but at blk.{i}.experts, where an array replaces the selection
 Observer = Callable[[str, Array], object]
 
 
@@ -252,6 +253,37 @@ def gather_rows(x: Array, idx: Array, *, xp: Namespace) -> Array:
     rows = xp.arange(T, dtype=idx.dtype)[:, None] * n  # (T, 1)
     flat = xp.reshape(rows + idx, (T * k,))  # (T*k,) offsets into the flattened x
     return xp.reshape(xp.take(xp.reshape(x, (T * n,)), flat, axis=0), (T, k))
+
+
+def router_gate(
+    logits: Array,
+    gating: Gating,
+    *,
+    xp: Namespace,
+    softmax: Callable[[Array], Array] | None = None,
+) -> Array:
+    """The gated values the experts are selected on (T, n_expert): the router softmax of the
+    logits (``softmax``, a backend's :func:`~qllama.backends.base.soft_max`, else
+    :func:`router_softmax`), or the logits themselves where the weights are a softmax over the
+    selected ones (SOFTMAX_WEIGHT)."""
+    if gating != Gating.SOFTMAX:
+        return logits
+    return softmax(logits) if softmax is not None else router_softmax(logits, xp=xp)
+
+
+def select_experts(
+    gated: Array, k: int, *, xp: Namespace, asarray: Callable[[Any], Array]
+) -> Array:
+    """Each token's k experts (T, k), the best first, as llama.cpp's CPU ranks them: the
+    stable top k, and past 16 experts the rows whose top k meets a tie re-ranked by
+    :func:`qllama.runtime.routing.break_ties` (``asarray`` brings its numpy answer back to
+    ``xp``)."""
+    selected = top_k(gated, k, xp=xp)  # (T, k), the best first
+    if gated.shape[-1] > routing.THRESHOLD:  # past 16, ggml's std::sort ranks ties its own way
+        ranked = routing.break_ties(to_numpy(gated), to_numpy(selected))
+        if ranked is not None:
+            selected = asarray(ranked)
+    return selected
 
 
 # build_moe_ffn clamps the sum of the top-k weights from below before dividing by it
@@ -810,13 +842,13 @@ class Model:
         if observer is not None:
             observer(f"blk.{i}.router", logits)
         # ggml's soft_max as the backend computes it (the CPU arithmetic's exps and double sum)
-        softmax = functools.partial(soft_max, self.backend)
-        probs = softmax(logits) if e.gating == Gating.SOFTMAX else logits
-        selected = top_k(probs, k, xp=xp)  # (T, k), the best first
-        if c.n_expert > routing.THRESHOLD:  # past 16, ggml's std::sort ranks ties its own way
-            ranked = routing.break_ties(to_numpy(probs), to_numpy(selected))
-            if ranked is not None:
-                selected = self.backend.asarray(ranked)
+        gate_softmax = functools.partial(soft_max, self.backend)
+        probs = router_gate(logits, e.gating, xp=xp, softmax=gate_softmax)
+        selected = select_experts(probs, k, xp=xp, asarray=self.backend.asarray)  # (T, k)
+        if observer is not None:  # an observer may route otherwise (a counterfactual)
+            forced = observer(f"blk.{i}.experts", selected)
+            if forced is not None:
+                selected = self._forced_selection(forced, selected.shape, i)
         weights = expert_weights(
             probs,
             selected,
@@ -824,7 +856,7 @@ class Model:
             c.expert_weights_norm,
             c.expert_weights_scale,
             xp=xp,
-            softmax=softmax,
+            softmax=gate_softmax,
         )  # (T, k)
         flat = xp.reshape(selected, (-1,))  # (T*k,) for the experts' biases
         up = self._experts(x, layer.ffn_up_exps, layer.ffn_up_exps_bias, selected, flat)
@@ -844,6 +876,20 @@ class Model:
         if layer.ffn_up_shexp is not None:  # after the routed experts, as llama.cpp adds it
             out = out + self._shared_expert(x, layer, e)
         return out
+
+    def _forced_selection(self, forced: Any, shape: tuple[int, ...], i: int) -> Array:
+        """An observer's replacement for block ``i``'s selection, checked: (T, k) experts of
+        this model."""
+        xp, n = self.xp, self.config.n_expert
+        got = self.backend.asarray(forced)
+        if tuple(got.shape) != tuple(shape) or not xp.isdtype(got.dtype, "integral"):
+            raise SequenceError(
+                f"blk.{i}.experts: a forced selection must be integers of shape {tuple(shape)}, "
+                f"not {got.dtype} {tuple(got.shape)}"
+            )
+        if bool(xp.any(got < 0)) or bool(xp.any(got >= n)):
+            raise SequenceError(f"blk.{i}.experts: a forced expert is outside [0, {n})")
+        return got
 
     def _experts(
         self, x: Array, ws: Sequence[Any] | None, bias: Array, selected: Array, flat: Array

@@ -13,6 +13,11 @@ block; every value has one row per token of the call):
 ``blk.{i}.ffn_out``   the MLP's output (after ``ffn_down``), before the residual
 ``blk.{i}.router``    a mixture of experts' router logits ``(T, n_expert)`` (with its bias),
                       before the gating
+``blk.{i}.experts``   the experts each token is routed to ``(T, k)``, the best first, after
+                      the tie order; an observer that returns an array here (integers, the same
+                      shape) routes the tokens to those experts instead, their weights gathered
+                      from this run's own gated values (a counterfactual:
+                      :mod:`qllama.measure.routing`); whatever it returns elsewhere is ignored
 ``blk.{i}.out``       the residual stream after block ``i``
 ====================  ================================================================
 
@@ -39,6 +44,7 @@ from qllama.errors import QllamaError
 
 BLOCK_POINTS = ("attn_out", "ffn_out", "out")  # recorded by default
 QKV_POINTS = ("q", "k", "v")  # on request
+ROUTER_POINTS = ("router",)  # on request (a mixture's layers only)
 LOGITS = "logits"  # not an observer point: the forward pass's result, kept beside them
 
 _BLOCK_NAME = re.compile(r"blk\.(\d+)\.(\w+)")
@@ -122,9 +128,11 @@ def resolve_positions(positions: Sequence[int] | None, n_tokens: int) -> list[in
 class Recorder:
     """An observer keeping chosen points at chosen positions (of one forward call at pos 0)."""
 
-    def __init__(self, positions: Sequence[int], *, qkv: bool = False) -> None:
+    def __init__(
+        self, positions: Sequence[int], *, qkv: bool = False, router: bool = False
+    ) -> None:
         self.rows = np.asarray(positions, dtype=np.int64)
-        self.points = BLOCK_POINTS + (QKV_POINTS if qkv else ())
+        self.points = BLOCK_POINTS + (QKV_POINTS if qkv else ()) + (ROUTER_POINTS if router else ())
         self.values: dict[str, np.ndarray] = {}
 
     def wants(self, name: str) -> bool:
@@ -147,12 +155,22 @@ def record(
     *,
     positions: Sequence[int] | None = None,
     qkv: bool = False,
+    router: bool = False,
+    observer: Any = None,
 ) -> Trace:
-    """One forward pass of ``tokens`` from position 0, observed: the named points and the
-    logits at ``positions`` (default: every position)."""
+    """One forward pass of ``tokens`` from position 0, observed: the named points (Q/K/V and
+    the router logits on request) and the logits at ``positions`` (default: every position).
+    ``observer``, if given, sees every point too, after the recorder (what it returns at
+    ``blk.{i}.experts`` routes the tokens)."""
     tokens = list(tokens)
     rows = resolve_positions(positions, len(tokens))
-    rec = Recorder(rows, qkv=qkv)
-    logits = model.forward(tokens, pos=0, all_logits=True, observer=rec)
+    rec = Recorder(rows, qkv=qkv, router=router)
+
+    def both(name: str, value: Any) -> Any:
+        rec(name, value)
+        return observer(name, value)
+
+    watch = rec if observer is None else both
+    logits = model.forward(tokens, pos=0, all_logits=True, observer=watch)
     rec.keep(LOGITS, logits)
     return Trace(tokens, rows, rec.values)

@@ -83,14 +83,23 @@ def section_attribution(cells: Mapping[str, CellRecord], table: Table) -> list[s
 
 
 def summary_attribution(prompts: Mapping[str, PromptResults], table: Table) -> list[str]:
-    """Each attributed cell's shares of the whole by group, prompt by prompt."""
-    labels = list(dict.fromkeys(k for e in prompts.values() for k in attribution_cells(e.cells)))
+    """Each attributed cell's shares of the whole by group, prompt by prompt: a table per cell
+    and kind of attribution (a cell may be attributed by class on one prompt, by expert on
+    another: their groups are not the same)."""
+    kinds = list(
+        dict.fromkeys(
+            (k, a.kind, a.by)
+            for e in prompts.values()
+            for k, a in attribution_cells(e.cells).items()
+        )
+    )
     out = []
-    for label in labels:
+    for label, kind, by in kinds:
         per = {
             p: a
             for p, e in prompts.items()
             if (a := attribution_cells(e.cells).get(label)) is not None
+            and (a.kind, a.by) == (kind, by)
         }
         groups = list(dict.fromkeys(g.group for a in per.values() for g in a.parts))
 

@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from qllama.measure.compare import Reference, free_generation, teacher_forcing
+from qllama.measure.routing import RoutingReport
 from qllama.study import results
 from qllama.study.declaration import MeasureSpec, StudyError
 from qllama.study.results import (
@@ -286,7 +287,11 @@ def _reference_engine(measure: str, reference: str) -> None:
 
 
 @functools.lru_cache(maxsize=1)  # the cells of one prompt share it
-def _reference_trace(path: str, tokens: tuple[int, ...], qkv: bool, kind: str) -> Any:
+def _reference_trace(
+    path: str, tokens: tuple[int, ...], qkv: bool, kind: str, *, router: bool = False
+) -> Any:
+    """The F32 variant's trace of ``tokens``, by transformers or by qllama's dequantize-all
+    (which alone records a mixture's router logits, ``router``)."""
     from qllama.measure.reference import transformers_trace
     from qllama.runtime.observe import record
 
@@ -296,7 +301,7 @@ def _reference_trace(path: str, tokens: tuple[int, ...], qkv: bool, kind: str) -
 
     model = load(path, dequantize_all=True)
     try:
-        return record(model, tokens, qkv=qkv)
+        return record(model, tokens, qkv=qkv, router=router)
     finally:
         model.source.close()
 
@@ -325,6 +330,30 @@ def layer_trace_measure(model: Any, ref: Reference, options: Mapping[str, Any]) 
     )
     errors = compare(record(model, tokens, qkv=bool(options["qkv"])), reference)
     return LayerTrace(tuple(residual_names(model.config.n_layer)), errors)
+
+
+@register(
+    "routing",
+    defaults={"f32": None},
+    files=("f32",),
+    about="a mixture's experts against the F32 variant's, per token and layer, and the logit "
+    "error with the F32 variant's experts forced",
+)
+def routing_measure(model: Any, ref: Reference, options: Mapping[str, Any]) -> RoutingReport:
+    """:func:`qllama.measure.routing.routing_report` of the cell's model over the reference's
+    tokens (prompt and continuation) against the F32 variant ``f32`` run by qllama's
+    dequantize-all (its router logits are not in a transformers reference): set, top-1 and
+    ordered agreement of the selected experts, the router-weight error, and the KL divergence
+    and max |Δlogit| with and without the F32 variant's experts forced."""
+    from qllama.measure.routing import routing_report
+
+    if options["f32"] is None:
+        raise StudyError("measure 'routing' needs f32 = the F32 variant's name")
+    if not model.config.n_expert:
+        raise StudyError("measure 'routing' needs a mixture of experts (the model has none)")
+    tokens = tuple(int(t) for t in ref.tokens)
+    reference = _reference_trace(str(options["f32"]), tokens, False, "qllama", router=True)
+    return routing_report(model, None, tokens, ref_trace=reference)
 
 
 # --- a corpus, as llama-perplexity measures it (qllama.measure.perplexity) ----------------

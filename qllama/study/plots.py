@@ -1,6 +1,6 @@
 """The report's plots (``plots/``), drawn from the collected results: each prompt's per-step
-max |Δlogit| and its reference margin with the flipped steps, the summary across prompts, and
-the layer traces (:mod:`qllama.study.drift_report`)."""
+max |Δlogit| and its reference margin with the flipped steps, the summary across prompts, the
+layer traces (:mod:`qllama.study.drift_report`) and a mixture's routing per layer."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from qllama.measure.figures import pyplot, save
+from qllama.measure.routing import RoutingReport, plot_routing
 from qllama.study import drift_report
 from qllama.study.collect import Collected, PromptResults
 from qllama.study.results import TeacherForcing
@@ -26,6 +27,11 @@ def _teacher_forcing(entry: PromptResults, label: str) -> TeacherForcing | None:
     return c.measures.teacher_forcing
 
 
+def routings(entry: PromptResults) -> dict[str, RoutingReport]:
+    """The base draw's routing reports of one prompt's cells, by label (a mixture's study)."""
+    return {k: c.measures.routing for k, c in entry.cells.items() if "routing" in c.measures}
+
+
 def plots(data: Collected, folder: Path) -> None:
     """Every plot the report's markdown links, into ``folder``."""
     for p, entry in data.prompts.items():
@@ -33,6 +39,14 @@ def plots(data: Collected, folder: Path) -> None:
         if reports:
             folder.mkdir(parents=True, exist_ok=True)
             drift_report.plot_traces(reports, p, folder)
+        routed = routings(entry)
+        if routed:
+            folder.mkdir(parents=True, exist_ok=True)
+            plot_routing(
+                routed,
+                folder / f"{p}-routing.png",
+                f"{p}: each cell's experts against the F32 variant's, per layer",
+            )
     if "teacher_forcing" not in data.study["measures"]:
         return
     plt = pyplot()

@@ -241,6 +241,47 @@ def section_layer_trace(pv: PromptView) -> list[str]:
     return drift_report.section_layer_trace(traces, pv.name, _table, reference)
 
 
+def section_routing(pv: PromptView) -> list[str]:
+    """A mixture's experts against the F32 variant's, and the error with them forced
+    (:mod:`qllama.measure.routing`), a row per cell."""
+    reports = [(label, pv.measures(label)) for label in pv.labels]
+    reports = [(label, m.routing) for label, m in reports if "routing" in m]
+    if not reports:
+        return []
+
+    def percent(x: float | None) -> str:
+        return "–" if x is None else f"{100 * x:.2f}%"
+
+    rows = [
+        [
+            label,
+            percent(r.routing.changed),
+            percent(r.routing.top1_changed),
+            percent(r.routing.positions_changed),
+            f"{r.routing.set_agreement:.4f}",
+            _g(r.routing.mean_weight_error),
+            "–" if r.routing.median_margin_changed is None else _g(r.routing.median_margin_changed),
+            _g(r.free.mean_kld),
+            _g(r.forced.mean_kld),
+            percent(r.explained),
+        ]
+        for label, r in reports
+    ]
+    r = reports[0][1]
+    header = ["cell", "pairs rerouted", "top-1 changed", "positions with a change"]
+    header += ["set agreement", "router-weight error", "reference margin at changes"]
+    header += ["mean KLD", "experts forced", "explained"]
+    return [
+        "### Routing\n",
+        f"Each cell's experts at every (layer, token) pair against the F32 variant's run by qllama "
+        f"({r.tokens} tokens x {r.layers} layers, top {r.k} of {r.n_expert}); the mean KL "
+        "divergence over every position as the cell routes and with the F32 variant's experts "
+        "forced, and the share of it that follows the routing changes (qllama.measure.routing).\n",
+        *_table(header, rows),
+        f"![routing per layer](plots/{pv.name}-routing.png)\n",
+    ]
+
+
 SECTIONS: dict[str, Callable[[PromptView], list[str]]] = {
     "last_position": section_last_position,
     "teacher_forcing": section_teacher_forcing,
@@ -249,6 +290,7 @@ SECTIONS: dict[str, Callable[[PromptView], list[str]]] = {
     "attribution": lambda pv: drift_report.section_attribution(pv.p.cells, _table),
     "layer_trace": section_layer_trace,
     "corpus": lambda pv: [],  # its own section, before the prompts (corpus_report)
+    "routing": section_routing,
 }
 
 

@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from qllama.measure.metrics import KLStats
+from qllama.measure.routing import RoutingReport
 from qllama.measure.trace import PointErrors
 from qllama.study.declaration import StudyError
 
@@ -359,3 +360,9 @@ class Measures(Mapping[str, Any]):
     @property
     def corpus(self) -> Corpus:
         return self._of("corpus", Corpus)
+
+    @property
+    def routing(self) -> RoutingReport:
+        """``routing`` (:mod:`qllama.measure.routing`): a mixture's experts against the F32
+        variant's, and the error with them forced."""
+        return self._of("routing", RoutingReport)
