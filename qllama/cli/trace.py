@@ -134,7 +134,7 @@ def _routing(
         print(f"  routing: {name} ...", file=sys.stderr, flush=True)
         s = setting(name)
         model = load(args.file, backend=s.backend, arithmetic=s.arithmetic, **_kv(args))
-        out[name] = routing_report(model, None, tokens, ref_trace=ref_trace)
+        out[name] = routing_report(model, reference, tokens, ref_trace=ref_trace)
         model.source.close()
     return out
 

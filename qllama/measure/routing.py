@@ -366,7 +366,8 @@ def routing_report(
     mixture, e.g. a quantized file and its F32 file), and the counterfactual run of ``model``
     with the reference's selection forced (the module's docstring). ``ref_trace``: the
     reference's recorded run of the same tokens with the router logits (``record(reference,
-    tokens, router=True)``), if already made; ``reference`` is then not run."""
+    tokens, router=True)``), if already made; ``reference`` is then not run (its backend, if
+    given, still selects its experts: without it, the array-API router softmax does)."""
     config = model.config
     if config.n_expert == 0:
         raise QllamaError("routing needs a mixture of experts (the model has no experts)")
@@ -379,9 +380,9 @@ def routing_report(
         raise QllamaError("the reference trace is not of these tokens at every position")
     ours = record(model, tokens, router=True)
     n_layer = config.n_layer
-    # each run's selection through its own backend's softmax (the reference's, where the
-    # reference is given as a trace, taken to be on the model's backend)
-    ref_backend = model.backend if reference is None else reference.backend
+    # each run's selection through its own backend's softmax; a reference given only as a
+    # trace through the array-API form (the study's: qllama's dequantize-all)
+    ref_backend = None if reference is None else reference.backend
     ref_routing = Routing.of(router_logits(ref_trace, n_layer), config, ref_backend)
     our_routing = Routing.of(router_logits(ours, n_layer), config, model.backend)
     agree = agreement(ref_routing, our_routing)
