@@ -6,7 +6,7 @@
   position and one pair at a time;
 - tiny random transformers models rotating with YaRN, converted by llama.cpp's converter
   (tests/conformance/yarn.py): qllama's F32 logits against transformers', every backend;
-- which YaRN keys are read, and what is refused.
+- which YaRN keys are read (what is refused: tests/test_architectures.py's REFUSED).
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from test_moe import BACKENDS
 
 import qllama
 from qllama.array_api import namespace, to_numpy
-from qllama.errors import ModelConfigError
 from qllama.ggml_types import ValueType
 from qllama.gguf.reader import GGUFValue
 from qllama.runtime.architectures import Yarn
@@ -187,28 +186,6 @@ def test_mistral3_reads_the_betas(tmp_path: Path) -> None:
     keys = {**YARN, **betas}
     m = qllama.load(_with_keys(tmp_path, "mistral3", **keys), backend="numpy")
     assert m.config.layer(0).rope.yarn == Yarn(8, 8.0, 2.0)
-
-
-REFUSED = [
-    ("beta", "gpt-oss", {"rope.scaling.yarn_beta_fast": f32(8.0)},
-     "gpt-oss.rope.scaling.yarn_beta_fast is 8.0: llama.cpp computes gpt-oss's YaRN with 32.0"),
-    ("ext-factor", "qwen3", {"rope.scaling.yarn_ext_factor": f32(0.5)},
-     "qwen3.rope.scaling.yarn_ext_factor is 0.5"),
-    ("log-mul", "qwen3moe", {"rope.scaling.yarn_log_multiplier": f32(0.1)},
-     "qwen3moe.rope.scaling.yarn_log_multiplier is 0.1"),
-    ("magnitude", "llama", {"rope.scaling.yarn_attn_factor": f32(1.5)},
-     "llama.rope.scaling.yarn_attn_factor is 1.5: llama.cpp computes llama's YaRN magnitude"),
-]  # fmt: skip
-
-
-@pytest.mark.parametrize(
-    ("name", "keys", "message"), [r[1:] for r in REFUSED], ids=[r[0] for r in REFUSED]
-)
-def test_yarn_keys_llama_cpp_ignores_must_keep_its_values(
-    tmp_path: Path, name: str, keys: dict, message: str
-) -> None:
-    with pytest.raises(ModelConfigError, match=message):
-        qllama.load(_with_keys(tmp_path, name, **YARN, **keys))
 
 
 def test_the_magnitude_the_converter_writes_is_accepted(tmp_path: Path) -> None:
