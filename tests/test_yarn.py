@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 from test_architectures import FAMILIES, IDS
-from test_moe import BACKENDS
+from test_moe import check_against_transformers
 
 import qllama
 from qllama.array_api import namespace, to_numpy
@@ -124,7 +124,6 @@ def test_transformers_yarn_on_the_original_safetensors(name: str) -> None:
     """A tiny random transformers model rotating with YaRN, converted by llama.cpp's converter
     (built once, then cached): qllama's F32 logits against transformers', every backend."""
     pytest.importorskip("transformers")
-    from conformance.runners import transformers_logits
     from conformance.sources import Unreachable
     from conformance.yarn import build
 
@@ -134,16 +133,7 @@ def test_transformers_yarn_on_the_original_safetensors(name: str) -> None:
         pytest.skip(str(e))
     m = qllama.load(built.gguf, backend="numpy", activations="f32")
     assert all(k.rope is not None and k.rope.yarn is not None for k in m.kinds)
-    ids = built.ids()
-    ref = transformers_logits(built, ids)
-    assert np.abs(ref).max() > 1.0 and len(set(ref.argmax(axis=1).tolist())) > 4  # not flat
-    for setup, (backend, options) in BACKENDS.items():
-        if importlib.util.find_spec(backend) is None:
-            continue
-        got = to_numpy(
-            qllama.load(built.gguf, backend=backend, **options).forward(ids, all_logits=True)
-        )
-        assert float(np.abs(got - ref).max() / np.abs(ref).max()) <= SPEC, setup
+    check_against_transformers(built, SPEC)
 
 
 # --- keys ------------------------------------------------------------------------------------
