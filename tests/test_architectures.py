@@ -265,6 +265,8 @@ def _write(tmp_path: Path, cfg: TinyConfig, **keys: Any) -> Path:
     return path
 
 
+_F32 = lambda v: GGUFValue(ValueType.FLOAT32, v)  # noqa: E731
+YARN = {"rope.scaling.type": "yarn", "rope.scaling.factor": _F32(4.0)}
 REFUSED = [
     ("moe", "qwen2", {"expert_count": GGUFValue(ValueType.UINT32, 8)},
      "qwen2.expert_count is 8: qllama computes no mixture of experts for qwen2"),
@@ -276,6 +278,15 @@ REFUSED = [
      "partial RoPE is not supported for qwen3"),
     ("q-width", "qwen2", {"attention.key_length": GGUFValue(ValueType.UINT32, 8)},
      "sizes the query projection as n_embd"),
+    # YaRN keys llama.cpp does not read for the family, set otherwise than it computes
+    ("yarn-beta", "qwen3", {**YARN, "rope.scaling.yarn_beta_fast": _F32(8.0)},
+     "qwen3.rope.scaling.yarn_beta_fast is 8.0: llama.cpp computes qwen3's YaRN with 32.0"),
+    ("yarn-ext-factor", "qwen2", {**YARN, "rope.scaling.yarn_ext_factor": _F32(0.5)},
+     "qwen2.rope.scaling.yarn_ext_factor is 0.5"),
+    ("yarn-log-mul", "olmo2", {**YARN, "rope.scaling.yarn_log_multiplier": _F32(0.1)},
+     "olmo2.rope.scaling.yarn_log_multiplier is 0.1"),
+    ("yarn-magnitude", "llama", {**YARN, "rope.scaling.yarn_attn_factor": _F32(1.5)},
+     "llama.rope.scaling.yarn_attn_factor is 1.5: llama.cpp computes llama's YaRN magnitude"),
 ]  # fmt: skip
 
 

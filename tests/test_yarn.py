@@ -6,7 +6,7 @@
   position and one pair at a time;
 - tiny random transformers models rotating with YaRN, converted by llama.cpp's converter
   (tests/conformance/yarn.py): qllama's F32 logits against transformers', every backend;
-- which YaRN keys are read, and what is refused.
+- which YaRN keys are read (what is refused: tests/test_architectures.py's REFUSED).
 """
 
 from __future__ import annotations
@@ -20,11 +20,10 @@ from typing import Any
 import numpy as np
 import pytest
 from test_architectures import FAMILIES, IDS
-from test_moe import BACKENDS
+from test_moe import check_against_transformers
 
 import qllama
 from qllama.array_api import namespace, to_numpy
-from qllama.errors import ModelConfigError
 from qllama.ggml_types import ValueType
 from qllama.gguf.reader import GGUFValue
 from qllama.runtime.architectures import Yarn
@@ -125,7 +124,6 @@ def test_transformers_yarn_on_the_original_safetensors(name: str) -> None:
     """A tiny random transformers model rotating with YaRN, converted by llama.cpp's converter
     (built once, then cached): qllama's F32 logits against transformers', every backend."""
     pytest.importorskip("transformers")
-    from conformance.runners import transformers_logits
     from conformance.sources import Unreachable
     from conformance.yarn import build
 
@@ -135,16 +133,7 @@ def test_transformers_yarn_on_the_original_safetensors(name: str) -> None:
         pytest.skip(str(e))
     m = qllama.load(built.gguf, backend="numpy", activations="f32")
     assert all(k.rope is not None and k.rope.yarn is not None for k in m.kinds)
-    ids = built.ids()
-    ref = transformers_logits(built, ids)
-    assert np.abs(ref).max() > 1.0 and len(set(ref.argmax(axis=1).tolist())) > 4  # not flat
-    for setup, (backend, options) in BACKENDS.items():
-        if importlib.util.find_spec(backend) is None:
-            continue
-        got = to_numpy(
-            qllama.load(built.gguf, backend=backend, **options).forward(ids, all_logits=True)
-        )
-        assert float(np.abs(got - ref).max() / np.abs(ref).max()) <= SPEC, setup
+    check_against_transformers(built, SPEC)
 
 
 # --- keys ------------------------------------------------------------------------------------
@@ -187,28 +176,6 @@ def test_mistral3_reads_the_betas(tmp_path: Path) -> None:
     keys = {**YARN, **betas}
     m = qllama.load(_with_keys(tmp_path, "mistral3", **keys), backend="numpy")
     assert m.config.layer(0).rope.yarn == Yarn(8, 8.0, 2.0)
-
-
-REFUSED = [
-    ("beta", "gpt-oss", {"rope.scaling.yarn_beta_fast": f32(8.0)},
-     "gpt-oss.rope.scaling.yarn_beta_fast is 8.0: llama.cpp computes gpt-oss's YaRN with 32.0"),
-    ("ext-factor", "qwen3", {"rope.scaling.yarn_ext_factor": f32(0.5)},
-     "qwen3.rope.scaling.yarn_ext_factor is 0.5"),
-    ("log-mul", "qwen3moe", {"rope.scaling.yarn_log_multiplier": f32(0.1)},
-     "qwen3moe.rope.scaling.yarn_log_multiplier is 0.1"),
-    ("magnitude", "llama", {"rope.scaling.yarn_attn_factor": f32(1.5)},
-     "llama.rope.scaling.yarn_attn_factor is 1.5: llama.cpp computes llama's YaRN magnitude"),
-]  # fmt: skip
-
-
-@pytest.mark.parametrize(
-    ("name", "keys", "message"), [r[1:] for r in REFUSED], ids=[r[0] for r in REFUSED]
-)
-def test_yarn_keys_llama_cpp_ignores_must_keep_its_values(
-    tmp_path: Path, name: str, keys: dict, message: str
-) -> None:
-    with pytest.raises(ModelConfigError, match=message):
-        qllama.load(_with_keys(tmp_path, name, **YARN, **keys))
 
 
 def test_the_magnitude_the_converter_writes_is_accepted(tmp_path: Path) -> None:
