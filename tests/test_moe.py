@@ -27,7 +27,7 @@ import qllama
 from qllama.array_api import namespace, to_numpy
 from qllama.backends import get_backend
 from qllama.backends.base import QuantTensor, expert_matmul
-from qllama.errors import BackendError, ModelConfigError
+from qllama.errors import BackendError, ModelConfigError, WeightValueError
 from qllama.ggml_types import GGMLType, ValueType
 from qllama.gguf.reader import GGUFValue
 from qllama.runtime.architectures import ExpertActivation, Gating, SharedExpert, architecture
@@ -258,6 +258,43 @@ def test_an_expert_id_out_of_range_is_refused() -> None:
     x = np.ones((2, 32), np.float32)
     with pytest.raises(BackendError, match=r"expert ids must lie in \[0, 3\)"):
         expert_matmul(be, x, experts, np.array([[0, 3], [1, 2]], np.int32))
+
+
+def test_the_experts_are_checked_by_reads_not_through_the_map(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """load's check of the block scales reads a 3-D expert tensor from the file, a chunk of
+    rows at a time (so that experts no token selects stay untouched in the map): it finds a
+    NaN scale in one expert's slab, naming the block as the whole tensor counts it."""
+    from qllama.gguf.reader import read_gguf
+    from qllama.runtime import loader
+
+    path = tmp_path / "moe.gguf"
+    write_tiny(path, dataclasses.replace(FAMILIES["qwen3moe"], weight_type="Q8_0"))
+    name = "blk.0.ffn_down_exps.weight"
+    with read_gguf(path) as f:
+        t = f.tensor(name)
+        n, rows, row_length = t.shape
+        whole = np.empty(t.nbytes, np.uint8)
+        f.read_tensor(name, 0, whole)
+        np.testing.assert_array_equal(whole, f.tensor_data(name))  # the same bytes as the map
+        blocks_per_row = row_length // 32
+        block = (2 * rows + 1) * blocks_per_row + blocks_per_row - 1  # expert 2, row 1, last
+        at = f.data_offset + t.offset + block * 34  # its f16 scale: a Q8_0 block's first bytes
+    with open(path, "r+b") as fh:
+        fh.seek(at)
+        fh.write(b"\x00\x7e")  # f16 NaN
+    monkeypatch.setattr(loader, "CHECK_CHUNK", 3 * (t.nbytes // (n * rows)))  # 3 rows a read
+    with read_gguf(path) as f:
+        viewed: list[str] = []
+        mapped = f.tensor_data
+        monkeypatch.setattr(f, "tensor_data", lambda n: viewed.append(n) or mapped(n))
+        with pytest.raises(WeightValueError, match=f"'{name}' block {block} has a non-finite"):
+            loader.check_finite(f, f.tensors)
+        assert viewed and not [v for v in viewed if "_exps." in v]  # no expert through the map
+    with pytest.raises(WeightValueError, match=f"'{name}' block {block} has a non-finite"):
+        qllama.load(path, backend="numpy")
+    qllama.load(path, backend="numpy", check_weights=False)
 
 
 # --- the oracle: build_moe_ffn one token and one expert at a time -----------------------------
