@@ -329,6 +329,7 @@ def rates(result: dict[str, Any] | None, steps: int, tokens: int) -> dict[str, f
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     """Both sides on each file, ``args.rounds`` rounds each, the sides alternating (a busy
     machine's load then weighs on both alike); what :func:`markdown` reads."""
+    load_before = os.getloadavg()
     layers = args.layers or SHAPE.n_layer
     exe, bin_dir = llama_speed(args.llama_bin)
     ids = token_ids(TF_TOKENS)
@@ -376,7 +377,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "rounds": args.rounds,
         "tf_tokens": TF_TOKENS,
         "kv_mb": kv_mb(SHAPE, layers, N_CTX),
-        "load_before": os.getloadavg(),
+        "load_before": load_before,
     }
 
 
