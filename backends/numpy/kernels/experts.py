@@ -11,12 +11,7 @@ an expert no pair chose is never read.
 
 The products per (row, weight row) are those of the decoding kernels
 (:mod:`qllama.backends.numpy.kernels.gemv`: the 32-block formats and IQ4_NL four rows a step,
-the K-quants and IQ4_XS a row a step) for an expert few rows chose; an expert that many chose
-(a batch: teacher forcing, a prefill, the server's steps) meets its rows in the token tiles of
-:mod:`qllama.backends.numpy.kernels.gemm` (the 32-block formats but IQ4_NL, and the
-K-quants), laid out from the already quantized rows (``gemm.tile_q8``, ``gemm.tile_q8k``:
-bytes copied, nothing quantized again),
-each weight block decoded once for 16 rows; and, for MXFP4, of the table formats' loops
+the K-quants and IQ4_XS a row a step) and, for MXFP4, of the table formats' loops
 (:func:`qllama.backends.numpy.kernels.matmul._table_rows`, on each expert's pairs'
 quantized rows gathered together): the same integers and float32 operations in the same
 order as ggml's generic C, so each pair's numbers are those of its row alone times its
@@ -30,13 +25,6 @@ from typing import Any
 import numpy as np
 from numba import njit, prange
 
-from qllama.backends.numpy.kernels.gemm import (
-    kquant_loop,
-    legacy_centre,
-    legacy_loop,
-    tile_q8,
-    tile_q8k,
-)
 from qllama.backends.numpy.kernels.gemv import (
     BLOCKS32,
     IQ4_XS_SIZE,
@@ -48,9 +36,8 @@ from qllama.backends.numpy.kernels.gemv import (
     iq4xs_row,
     legacy_rows,
     q8_activations,
-    q8k_lanes,
+    q8k_activations,
     q8k_plain,
-    q8k_rows,
 )
 from qllama.backends.numpy.kernels.matmul import _table_rows
 from qllama.backends.numpy.kernels.simd import (
@@ -59,32 +46,15 @@ from qllama.backends.numpy.kernels.simd import (
     KQUANTS,
     MXFP4,
     Q2_K,
-    Q3_K,
     Q4_0,
     Q4_1,
-    Q4_K,
     Q5_0,
     Q5_1,
-    Q5_K,
-    Q6_K,
     Q8_0,
 )
 from qllama.jit import INLINE, named_kernel
 
 MXFP4_SIZE = 17  # bytes of an MXFP4 block: e8m0 scale, 16 bytes of nibbles
-# An expert with at least this many rows routed to it meets them in token tiles (the
-# many-token kernels of kernels/gemm.py), each weight block decoded once for 16 rows; fewer
-# go row by row (kernels/gemv.py): matmul.GEMM_TOKENS's thresholds.
-TILE_ROWS_LEGACY = 4
-TILE_ROWS_KQUANT = 8
-
-
-@njit(**INLINE)
-def _scatter(part, n, dst, a, m, out):
-    """Rows ``0..m`` of ``part`` (m*n,) to rows ``dst[a..a+m]`` of ``out`` (P*n,)."""
-    for i in range(m):
-        o = dst[a + i] * n
-        out[o : o + n] = part[i * n : (i + 1) * n]
 
 
 @njit(**INLINE)
@@ -99,13 +69,10 @@ def mmid_legacy(buf, offs, n, x, src, dst, bounds, simd, threads, out, fmt):
     centre = 8 if fmt == Q4_0 else 16 if fmt == Q5_0 else 128 if fmt == IQ4_NL else 0
     centre = Q8_0_CENTRE if fmt == Q8_0 else centre
     qx, dx, sx, cx = q8_activations(x, simd, with_m, centre)  # every row once
-    tiled = fmt != IQ4_NL  # IQ4_NL has no token tiles
     groups = n // 4
     for c in prange(threads):
         g0, g1 = _chunk(groups, threads, c)
         for e in range(offs.shape[0]):
-            if tiled and bounds[e + 1] - bounds[e] >= TILE_ROWS_LEGACY:
-                continue  # below, in tiles
             for r in range(4 * g0, 4 * g1, 4):
                 for j in range(bounds[e], bounds[e + 1]):
                     t = src[j]
@@ -133,19 +100,6 @@ def mmid_legacy(buf, offs, n, x, src, dst, bounds, simd, threads, out, fmt):
                             fmt,
                             1,
                         )
-    if not tiled:
-        return
-    one, at = np.full(1, n, np.int64), np.zeros(1, np.int64)
-    for e in range(offs.shape[0]):
-        a, m = bounds[e], bounds[e + 1] - bounds[e]
-        if m < TILE_ROWS_LEGACY:
-            continue
-        xv, cxt, dxt, sxt, tpad = tile_q8(qx, dx, sx, k, src[a : a + m], legacy_centre(fmt))
-        part = np.empty(m * n, np.float32)
-        legacy_loop(
-            buf, offs[e : e + 1], one, m, k, xv, cxt, dxt, sxt, tpad, threads, part, at, fmt
-        )
-        _scatter(part, n, dst, a, m, out)
 
 
 @njit(**INLINE)
@@ -154,15 +108,12 @@ def mmid_kquant(buf, offs, n, x, src, dst, bounds, simd, threads, out, fmt):
     k = x.shape[1]
     nb = k // 256
     rb = nb * SIZES[fmt]
-    xq, dk, bsums = q8k_rows(x)  # every row once
-    xl, dx, bs16, bs32 = q8k_lanes(xq, dk, bsums, k)  # laid out for the rows, below
+    xl, dx, bs16, bs32 = q8k_activations(x)  # every row once
     bs = bs16 if fmt == Q2_K else bs32  # Q2_K's mins: per 16
     per = k // 16 if fmt == Q2_K else k // 32
     for c in prange(threads):
         r0, r1 = _chunk(n, threads, c)
         for e in range(offs.shape[0]):
-            if bounds[e + 1] - bounds[e] >= TILE_ROWS_KQUANT:
-                continue  # below, in tiles
             for r in range(r0, r1):
                 w = offs[e] + r * rb
                 for j in range(bounds[e], bounds[e + 1]):
@@ -170,16 +121,6 @@ def mmid_kquant(buf, offs, n, x, src, dst, bounds, simd, threads, out, fmt):
                     out[dst[j] * n + r] = _kquant_dot(
                         buf, w, nb, xl, t * k, bs, t * per, dx[t], fmt
                     )
-    pairs_of_32, plus_128 = fmt == Q4_K or fmt == Q5_K, fmt == Q3_K or fmt == Q6_K
-    one, at = np.full(1, n, np.int64), np.zeros(1, np.int64)
-    for e in range(offs.shape[0]):
-        a, m = bounds[e], bounds[e + 1] - bounds[e]
-        if m < TILE_ROWS_KQUANT:
-            continue
-        xt, bsw, dxt, tpad = tile_q8k(xq, dk, bsums, k, src[a : a + m], pairs_of_32, plus_128)
-        part = np.empty(m * n, np.float32)
-        kquant_loop(buf, offs[e : e + 1], one, m, k, xt, bsw, dxt, tpad, threads, part, at, fmt)
-        _scatter(part, n, dst, a, m, out)
 
 
 @njit(**INLINE)

@@ -539,29 +539,17 @@ def q8_tiles(x, simd, with_sum, centre):
     (float32), ``tpad`` (T rounded up to 16) tokens a block; the padding is zeros."""
     tokens, k = x.shape
     nb = k // 32
+    tpad = (tokens + TILE - 1) // TILE * TILE
     qx = np.empty(tokens * k, np.int8)
     dx = np.empty((tokens, nb), np.float32)
     sx = np.zeros((tokens, nb), np.float32)
     flat = x.reshape(-1)
-    for t in prange(tokens):
-        q8_row(flat, t, k, simd, with_sum, qx, dx, sx)
-    return tile_q8(qx, dx, sx, k, np.arange(tokens), centre)
-
-
-@njit(**INLINE)
-def tile_q8(qx, dx, sx, k, rows, centre):
-    """Rows ``rows`` of quantized activations (codes ``qx`` (R*K,), d and s (R, K/32)) laid
-    out as :func:`q8_tiles` lays them, ``rows[i]`` as token ``i``: the bytes copied, nothing
-    quantized again."""
-    tokens = rows.shape[0]
-    nb = k // 32
-    tpad = (tokens + TILE - 1) // TILE * TILE
     xv = np.zeros(nb * 8 * tpad * 4, np.int8)
     cxt = np.zeros(nb * tpad, np.int32)
     dxt = np.zeros(nb * tpad, np.float32)
     sxt = np.zeros(nb * tpad, np.float32)
     for t in prange(tokens):
-        src = rows[t] * k
+        q8_row(flat, t, k, simd, with_sum, qx, dx, sx)
         tile, j = t // TILE, t % TILE
         for b in range(nb):
             at = tile * nb + b  # tile-major: a tile's blocks one after the other
@@ -569,12 +557,12 @@ def tile_q8(qx, dx, sx, k, rows, centre):
             for g in range(8):
                 o = ((at * 8 + g) * TILE + j) * 4
                 for c in range(4):
-                    v = qx[src + b * 32 + 4 * g + c]
+                    v = qx[t * k + b * 32 + 4 * g + c]
                     xv[o + c] = v
                     acc += v
             cxt[at * TILE + j] = centre * acc
-            dxt[at * TILE + j] = dx[rows[t], b]
-            sxt[at * TILE + j] = sx[rows[t], b]
+            dxt[at * TILE + j] = dx[t, b]
+            sxt[at * TILE + j] = sx[t, b]
     return xv, cxt, dxt, sxt, tpad
 
 
@@ -587,36 +575,25 @@ def q8k_tiles(x, pairs_of_32, plus_128):
     tiles one after the other, as :func:`kquant_tiles` reads them), ``tpad`` tokens a
     super-block; the padding is zeros."""
     tokens, k = x.shape
-    xs = np.empty(tokens * k, np.int8)
-    dx = np.empty((tokens, k // 256), np.float32)
-    bsums = np.empty((tokens, k // 16), np.int32)
-    flat = x.reshape(-1)
-    for t in prange(tokens):
-        q8k_row(flat, t, k, xs, dx, bsums)
-    return tile_q8k(xs, dx, bsums, k, np.arange(tokens), pairs_of_32, plus_128)
-
-
-@njit(**INLINE)
-def tile_q8k(xs, dx, bsums, k, rows, pairs_of_32, plus_128):
-    """Rows ``rows`` of Q8_K activations (codes in order ``xs`` (R*K,), d (R, K/256), the
-    sums of each 16 codes (R, K/16)) laid out as :func:`q8k_tiles` lays them, ``rows[i]`` as
-    token ``i``: the bytes copied, nothing quantized again."""
-    tokens = rows.shape[0]
     nb = k // 256
     tpad = (tokens + TILE - 1) // TILE * TILE
     tiles = tpad // TILE
+    xs = np.empty(tokens * k, np.int8)
+    dx = np.empty((tokens, nb), np.float32)
+    bsums = np.empty((tokens, k // 16), np.int32)
+    flat = x.reshape(-1)
     xq = np.zeros(nb * 64 * tpad * 4, np.int8)
     n_pairs = 4 if pairs_of_32 else 8
     bsw = np.zeros(nb * n_pairs * tpad * 2, np.int16)
     dxt = np.zeros(nb * tpad, np.float32)
     flip = np.int8(-128) if plus_128 else np.int8(0)  # x ^ 0x80 is x + 128 as unsigned
     for t in prange(tokens):
-        r = rows[t]
+        q8k_row(flat, t, k, xs, dx, bsums)
         tile, i = t // TILE, t % TILE
         for b in range(nb):
             at = b * tiles + tile  # block-major: a super-block's tiles one after the other
             for g in range(64):
-                base = r * k + b * 256 + 64 * (g // 16)
+                base = t * k + b * 256 + 64 * (g // 16)
                 o = ((at * 64 + g) * TILE + i) * 4
                 for e in range(4):
                     xq[o + e] = xs[base + LANE_ORDER[4 * (g % 16) + e]] ^ flip
@@ -625,10 +602,10 @@ def tile_q8k(xs, dx, bsums, k, rows, pairs_of_32, plus_128):
                 for h in range(2):
                     if pairs_of_32:
                         s = b * 16 + 4 * q + 2 * h
-                        bsw[o + h] = bsums[r, s] + bsums[r, s + 1]
+                        bsw[o + h] = bsums[t, s] + bsums[t, s + 1]
                     else:
-                        bsw[o + h] = bsums[r, b * 16 + 2 * q + h]
-            dxt[at * TILE + i] = dx[r, b]
+                        bsw[o + h] = bsums[t, b * 16 + 2 * q + h]
+            dxt[at * TILE + i] = dx[t, b]
     return xq, bsw, dxt, tpad
 
 
@@ -644,23 +621,12 @@ def gemm_legacy(buf, offs, rows, x, simd, threads, out, outs_at, fmt):
     ``out[outs_at[i]:]``. Each thread takes a share of every weight's rows; each group of 4
     rows meets the tokens a tile of 16 at a time, as many tiles as keep their activations in
     the core's cache, then the next tiles."""
-    xv, cxt, dxt, sxt, tpad = q8_tiles(x, simd, fmt == Q4_1 or fmt == Q5_1, legacy_centre(fmt))
-    legacy_loop(
-        buf, offs, rows, x.shape[0], x.shape[1], xv, cxt, dxt, sxt, tpad, threads, out, outs_at, fmt
-    )
-
-
-@njit(**INLINE)
-def legacy_centre(fmt):
-    """What a 32-block format's stored code is above its signed one (Q8_0: as ``w ^ 0x80``)."""
-    return 8 if fmt == Q4_0 else 16 if fmt == Q5_0 else 128 if fmt == Q8_0 else 0
-
-
-@njit(**INLINE)
-def legacy_loop(buf, offs, rows, tokens, k, xv, cxt, dxt, sxt, tpad, threads, out, outs_at, fmt):
-    """:func:`gemm_legacy`'s products from its tiled activations (:func:`q8_tiles`)."""
+    tokens, k = x.shape
     nb = k // 32
     rb = nb * SIZES[fmt]
+    with_m = fmt == Q4_1 or fmt == Q5_1
+    centre = 8 if fmt == Q4_0 else 16 if fmt == Q5_0 else 128 if fmt == Q8_0 else 0
+    xv, cxt, dxt, sxt, tpad = q8_tiles(x, simd, with_m, centre)
     tiles = tpad // TILE
     per_pass = max(1, L2_TILES // (k * TILE))
     for c in prange(threads):
@@ -718,17 +684,10 @@ def legacy_loop(buf, offs, rows, tokens, k, xv, cxt, dxt, sxt, tpad, threads, ou
 def gemm_kquant(buf, offs, rows, x, simd, threads, out, outs_at, fmt):
     """As :func:`gemm_legacy`, for K-quant weights: each pair of rows meets the tiles of a
     pass :data:`MAX_TILES` at a time, every super-block decoded once for them."""
-    xq, bsw, dxt, tpad = q8k_tiles(x, fmt == Q4_K or fmt == Q5_K, fmt == Q3_K or fmt == Q6_K)
-    kquant_loop(
-        buf, offs, rows, x.shape[0], x.shape[1], xq, bsw, dxt, tpad, threads, out, outs_at, fmt
-    )
-
-
-@njit(**INLINE)
-def kquant_loop(buf, offs, rows, tokens, k, xq, bsw, dxt, tpad, threads, out, outs_at, fmt):
-    """:func:`gemm_kquant`'s products from its tiled activations (:func:`q8k_tiles`)."""
+    tokens, k = x.shape
     nb = k // 256
     rb = nb * SIZES[fmt]
+    xq, bsw, dxt, tpad = q8k_tiles(x, fmt == Q4_K or fmt == Q5_K, fmt == Q3_K or fmt == Q6_K)
     tiles = tpad // TILE
     per_pass = max(1, L2_TILES // (k * TILE))
     for c in prange(threads):

@@ -719,15 +719,8 @@ def q8k_activations(x):
     """The rows of ``x`` (T, K) as Q8_K, codes each 64 in :data:`LANE_ORDER` (T*K,) int8,
     with d (T, K/256) float32 and the sums of each 16 (T*K/16,) and of each 32 (T*K/32,)
     codes as int16 (at most 32 * 128 in magnitude)."""
+    tokens, k = x.shape
     xq, dx, bsums = q8k_rows(x)
-    return q8k_lanes(xq, dx, bsums, x.shape[1])
-
-
-@njit(**INLINE)
-def q8k_lanes(xq, dx, bsums, k):
-    """Q8_K activations of rows of ``k`` (codes in order ``xq`` (T*K,), d (T, K/256), the
-    sums of each 16 codes (T, K/16)) as :func:`q8k_activations` returns them."""
-    tokens = dx.shape[0]
     xl = np.empty(tokens * k, np.int8)
     for t in range(tokens):
         for c in range(t * k, (t + 1) * k, 64):
