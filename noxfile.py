@@ -254,7 +254,8 @@ def bench(session: nox.Session) -> None:
     --only scale --out docs/bench-avx2.md` measures both sides built for AVX2 on an AVX-512
     host (benchmarks/isa.py; builds llama.cpp's libraries for AVX2 once, ~15 min). A full run
     (no arguments) then writes docs/bench-types.md: decode per weight type at the 1B shape
-    (benchmarks/per_type.py; ~1 min a type to write its file once, then its two decodes).
+    (benchmarks/per_type.py; ~1 min a type to write its file once, then its two decodes), and
+    docs/bench-moe.md: a ~1B mixture of experts against llama.cpp (benchmarks/moe.py, ~30 min).
     """
     session.install(TORCH, *REFERENCE)
     session.install(".[torch,jax,reference,serve]", "openai>=1.40", "psutil")
@@ -271,3 +272,6 @@ def bench(session: nox.Session) -> None:
     session.run("python", "benchmarks/bench.py", *note, *session.posargs)
     if not session.posargs:  # a full run: also decode per weight type, docs/bench-types.md
         session.run("python", "benchmarks/per_type.py", *no_llama)
+        if "--llama-bin" in note:  # the mixture of experts against llama.cpp's tools build
+            at = note.index("--llama-bin")
+            session.run("python", "benchmarks/moe.py", *note[at : at + 2])

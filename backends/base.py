@@ -170,15 +170,32 @@ def expert_matmul(backend: Backend, x: Any, experts: Sequence[Any], selected: An
     own = getattr(type(backend), "expert_matmul", None)
     if own is not None:
         return own(backend, x, experts, selected)
+    return grouped_expert_matmul(backend, x, experts, selected)
+
+
+def group_pairs(selected: Any, n_expert: int) -> tuple[np.ndarray, np.ndarray]:
+    """The (token, slot) pairs of ``selected`` (T, k) grouped by expert as ggml buckets them:
+    ``order`` (T*k,), the pairs' flat indices (token-major, slot-minor) expert by expert, in
+    their order within each, and ``bounds`` (n_expert + 1,): expert ``e``'s pairs are
+    ``order[bounds[e]:bounds[e + 1]]``. An id outside ``[0, n_expert)`` is refused."""
+    flat = np.asarray(to_numpy(selected)).astype(np.int64).reshape(-1)  # (T*k,)
+    if flat.size and (flat.min() < 0 or flat.max() >= n_expert):
+        raise BackendError(
+            f"expert ids must lie in [0, {n_expert}), got {flat.min()} .. {flat.max()}"
+        )
+    order = np.argsort(flat, kind="stable")
+    return order, np.searchsorted(flat[order], np.arange(n_expert + 1))
+
+
+def grouped_expert_matmul(backend: Backend, x: Any, experts: Sequence[Any], selected: Any) -> Any:
+    """:func:`expert_matmul` from ``matmul``: each chosen expert's products in one ``matmul``
+    over the rows routed to it (ggml's buckets), no product for an expert no token chose."""
     xp = backend.xp
-    ids = np.asarray(to_numpy(selected)).astype(np.int64)  # (T, k)
-    T, k = ids.shape
-    flat = ids.reshape(-1)  # (T*k,) token-major, slot-minor
-    order = np.argsort(flat, kind="stable")  # the pairs grouped by expert, in ggml's order
+    T, k = selected.shape
+    order, bounds = group_pairs(selected, len(experts))
     rows = x.shape[-1]
     x2 = xp.reshape(x, (T * k, rows)) if x.ndim == 3 else x  # (T*k or T, K)
     source = order if x.ndim == 3 else order // k  # the row of x2 of each grouped pair
-    bounds = np.searchsorted(flat[order], np.arange(len(experts) + 1))
     parts = []
     for e, (a, b) in enumerate(itertools.pairwise(bounds.tolist())):
         if a == b:

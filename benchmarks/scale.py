@@ -92,7 +92,8 @@ def synthetic_path(shape: Shape, weight_type: str, n_layer: int) -> Path:
 
 
 def write_replicated(path: Path, cfg: Any) -> None:
-    """Write ``cfg``'s llama to ``path`` (atomically) with one layer's weights in every layer."""
+    """Write ``cfg``'s model (a llama, or the family ``cfg.arch`` names) to ``path``
+    (atomically) with one layer's weights in every layer."""
     from dataclasses import replace
 
     from qllama.ggml_types import ValueType
@@ -101,13 +102,14 @@ def write_replicated(path: Path, cfg: Any) -> None:
     from qllama.synthetic import write_tiny
 
     path.parent.mkdir(parents=True, exist_ok=True)
+    block_count = f"{cfg.arch}.block_count"
     with tempfile.TemporaryDirectory(dir=path.parent, prefix=".one-layer-") as tmp:
         one = Path(tmp) / "one.gguf"
         write_tiny(one, replace(cfg, n_layer=1))
         with read_gguf(one) as f:
             w = GGUFWriter()
-            copy_metadata(f, w, skip=["llama.block_count"])
-            w.add("llama.block_count", GGUFValue(ValueType.UINT32, cfg.n_layer))
+            copy_metadata(f, w, skip=[block_count])
+            w.add(block_count, GGUFValue(ValueType.UINT32, cfg.n_layer))
             layer0 = [t for t in f if t.name.startswith("blk.0.")]
             for t in f:
                 if not t.name.startswith("blk."):
@@ -122,9 +124,16 @@ def write_replicated(path: Path, cfg: Any) -> None:
 
 def synthetic_file(shape: Shape, weight_type: str, n_layer: int) -> tuple[Path, dict[str, Any]]:
     """The cached synthetic file (written on first use) and how it was made: seconds taken."""
+    return cached_file(
+        synthetic_path(shape, weight_type, n_layer), tiny_config(shape, weight_type, n_layer)
+    )
+
+
+def cached_file(path: Path, cfg: Any) -> tuple[Path, dict[str, Any]]:
+    """The synthetic file of ``cfg`` at ``path``, written (one layer replicated) on first use,
+    and how it was made: seconds taken."""
     from qllama.atomic import atomic_write, exclusive
 
-    path = synthetic_path(shape, weight_type, n_layer)
     made = path.with_name(path.name + ".json")
     fresh = False
     with exclusive(path.with_name(path.name + ".lock")):  # one writer; the others wait
@@ -132,7 +141,7 @@ def synthetic_file(shape: Shape, weight_type: str, n_layer: int) -> tuple[Path, 
             fresh = True
             print(f"  writing {path.name} ...", end=" ", flush=True)
             t = time.perf_counter()
-            write_replicated(path, tiny_config(shape, weight_type, n_layer))
+            write_replicated(path, cfg)
             info = {"seconds": time.perf_counter() - t, "method": "one layer, replicated"}
             with atomic_write(made, "w") as f:
                 json.dump(info, f)

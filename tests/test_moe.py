@@ -27,7 +27,7 @@ import qllama
 from qllama.array_api import namespace, to_numpy
 from qllama.backends import get_backend
 from qllama.backends.base import QuantTensor, expert_matmul
-from qllama.errors import BackendError, ModelConfigError
+from qllama.errors import BackendError, ModelConfigError, WeightValueError
 from qllama.ggml_types import GGMLType, ValueType
 from qllama.gguf.reader import GGUFValue
 from qllama.quants.rounding import libm
@@ -197,6 +197,105 @@ def test_grouped_products_equal_each_pair_alone(setup: str, shared_input: bool) 
             else:
                 bound = reorder_bound(row, values[selected[t, s]])[0]  # (R,)
                 assert (np.abs(got[t, s] - alone) <= bound).all(), (t, s)
+
+
+def _slab_experts(
+    backend: Any, rng: np.random.Generator, kind: str, n: int, rows: int, k: int
+) -> tuple[Any, ...]:
+    """n random experts of ``kind`` (rows, k), prepared by ``backend``, each a view of one
+    buffer, as the slabs of a file's 3-D expert tensor are views of its map."""
+    from qllama import quants
+
+    raws = [
+        quants.quantize((0.3 * rng.standard_normal((rows, k))).astype(np.float32), kind)
+        for _ in range(n)
+    ]
+    buf = np.concatenate([r.reshape(-1) for r in raws])  # (n * slab,) the 3-D tensor's bytes
+    slab = buf.size // n
+    return tuple(
+        backend.prepare(
+            QuantTensor(
+                "blk.0.ffn_up_exps.weight",
+                GGMLType[kind],
+                (rows, k),
+                buf[e * slab : (e + 1) * slab],
+            )
+        )
+        for e in range(n)
+    )
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_K", "MXFP4", "IQ4_XS", "Q5_0", "Q6_K"])
+@pytest.mark.parametrize("T", [1, 9, 40], ids=["decode", "batch", "groups"])
+@pytest.mark.parametrize("shared_input", [True, False], ids=["up", "down"])
+def test_the_compiled_mul_mat_id_equals_the_grouped_matmuls(
+    kind: str, T: int, shared_input: bool
+) -> None:
+    """The numpy backend's one-call ``mul_mat_id`` (each row quantized once, the selected
+    experts' rows only) gives the bits of one ``matmul`` per expert and of each (token, slot)
+    alone."""
+    pytest.importorskip("numba")
+    from qllama.backends.base import grouped_expert_matmul
+
+    be = get_backend("numpy", kernels="numba", threads=2)
+    rng = np.random.default_rng(11)
+    k, n, K, R = 3, 6, 256, 44  # 44 rows: groups of four and a remainder
+    experts = _slab_experts(be, rng, kind, n, R, K)
+    assert be._slabs(experts) is not None  # the compiled call, not the fallback
+    selected = np.stack([rng.choice(n - 1, k, replace=False) for _ in range(T)]).astype(np.int32)
+    x = rng.standard_normal((T, K) if shared_input else (T, k, K)).astype(np.float32)
+    got = expert_matmul(be, x, experts, selected)
+    assert got.shape == (T, k, R)
+    np.testing.assert_array_equal(got, grouped_expert_matmul(be, x, experts, selected))
+    for t in range(T):
+        for s in range(k):
+            row = x[t : t + 1] if shared_input else x[t, s][None, :]
+            np.testing.assert_array_equal(got[t, s], be.matmul(row, experts[selected[t, s]])[0])
+
+
+def test_an_expert_id_out_of_range_is_refused() -> None:
+    be = get_backend("numpy")
+    experts = _slab_experts(be, np.random.default_rng(0), "Q8_0", 3, 8, 32)
+    x = np.ones((2, 32), np.float32)
+    with pytest.raises(BackendError, match=r"expert ids must lie in \[0, 3\)"):
+        expert_matmul(be, x, experts, np.array([[0, 3], [1, 2]], np.int32))
+
+
+def test_the_experts_are_checked_by_reads_not_through_the_map(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """load's check of the block scales reads a 3-D expert tensor from the file, a chunk of
+    rows at a time (so that experts no token selects stay untouched in the map): it finds a
+    NaN scale in one expert's slab, naming the block as the whole tensor counts it."""
+    from qllama.gguf.reader import read_gguf
+    from qllama.runtime import loader
+
+    path = tmp_path / "moe.gguf"
+    write_tiny(path, dataclasses.replace(FAMILIES["qwen3moe"], weight_type="Q8_0"))
+    name = "blk.0.ffn_down_exps.weight"
+    with read_gguf(path) as f:
+        t = f.tensor(name)
+        n, rows, row_length = t.shape
+        whole = np.empty(t.nbytes, np.uint8)
+        f.read_tensor(name, 0, whole)
+        np.testing.assert_array_equal(whole, f.tensor_data(name))  # the same bytes as the map
+        blocks_per_row = row_length // 32
+        block = (2 * rows + 1) * blocks_per_row + blocks_per_row - 1  # expert 2, row 1, last
+        at = f.data_offset + t.offset + block * 34  # its f16 scale: a Q8_0 block's first bytes
+    with open(path, "r+b") as fh:
+        fh.seek(at)
+        fh.write(b"\x00\x7e")  # f16 NaN
+    monkeypatch.setattr(loader, "CHECK_CHUNK", 3 * (t.nbytes // (n * rows)))  # 3 rows a read
+    with read_gguf(path) as f:
+        viewed: list[str] = []
+        mapped = f.tensor_data
+        monkeypatch.setattr(f, "tensor_data", lambda n: viewed.append(n) or mapped(n))
+        with pytest.raises(WeightValueError, match=f"'{name}' block {block} has a non-finite"):
+            loader.check_finite(f, f.tensors)
+        assert viewed and not [v for v in viewed if "_exps." in v]  # no expert through the map
+    with pytest.raises(WeightValueError, match=f"'{name}' block {block} has a non-finite"):
+        qllama.load(path, backend="numpy")
+    qllama.load(path, backend="numpy", check_weights=False)
 
 
 # --- the oracle: build_moe_ffn one token and one expert at a time -----------------------------

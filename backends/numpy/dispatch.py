@@ -39,7 +39,14 @@ import numpy as np
 from qllama import quants
 from qllama.array_api import namespace
 from qllama.backends.array_api import ALL_TYPES, ArrayBackend, Blocks, Dense
-from qllama.backends.base import QuantTensor, check_supported, require_device, router_softmax
+from qllama.backends.base import (
+    QuantTensor,
+    check_supported,
+    group_pairs,
+    grouped_expert_matmul,
+    require_device,
+    router_softmax,
+)
 from qllama.backends.numpy.oracle import Activations, WeightBlocks, vec_dot
 from qllama.backends.numpy.softmax import soft_max as ggml_soft_max
 from qllama.errors import BackendError, TensorShapeError
@@ -120,6 +127,13 @@ class Packed:
         default_factory=dict, compare=False, repr=False
     )
 
+    # the experts' slabs of the 3-D tensor this weight's slab leads: the ids of the other
+    # experts -> their Slabs (None: no one compiled mul_mat_id takes them); held here for
+    # the reason ``streams`` is
+    slabs: dict[tuple[int, ...], Slabs | None] = field(
+        default_factory=dict, compare=False, repr=False
+    )
+
     @property
     def row_bytes(self) -> int:
         return self.tensor.row_length // self.fmt.block_size * self.fmt.type_size
@@ -188,6 +202,47 @@ class Streams:
             offsets = np.array([w.tensor.data.ctypes.data - start for w in ws], np.int64)
         total = int(rows.sum())
         return cls(int(code), buffer, offsets, rows, starts, spans, total * k, total)
+
+
+@dataclass(frozen=True)
+class Slabs:
+    """A 3-D expert tensor as one compiled ``mul_mat_id`` takes it: one format and 2-D shape,
+    each expert's slab at byte ``offsets[e]`` of ``buffer`` (the file's map)."""
+
+    code: int  # the GGML type
+    buffer: np.ndarray  # uint8
+    offsets: np.ndarray  # int64 (n_expert,)
+    rows: int  # of each expert
+    row_length: int
+
+    @classmethod
+    def of(cls, experts: Sequence[Any]) -> Slabs | None:
+        """The slabs of ``experts``, or None where one compiled call cannot take them: another
+        kind of weight, a format without a compiled ``mul_mat_id``, two formats or shapes, or
+        slabs that are not views of one buffer. Reads none of their bytes."""
+        from qllama.backends.numpy.kernels import experts as kernels
+
+        first = experts[0]
+        if not all(isinstance(w, Packed) for w in experts):
+            return None
+        code = int(first.tensor.ggml_type)
+        base = _exporter(first.tensor.data)
+        if kernels.kernel(code, serial=True) is None or base is None:
+            return None
+        if any(
+            w.tensor.ggml_type != first.tensor.ggml_type
+            or w.tensor.shape != first.tensor.shape
+            or _exporter(w.tensor.data) is not base
+            for w in experts
+        ):
+            return None
+        try:
+            buffer = np.frombuffer(base, dtype=np.uint8)
+        except (TypeError, ValueError, BufferError):  # not one contiguous buffer
+            return None
+        start = buffer.ctypes.data
+        offsets = np.array([w.tensor.data.ctypes.data - start for w in experts], np.int64)
+        return cls(code, buffer, offsets, first.tensor.rows, first.tensor.row_length)
 
 
 # Attention scores of at most this many query rows per KV head (a decode step: 1-2 tokens
@@ -444,6 +499,51 @@ class NumpyBackend(ArrayBackend):
                 f"(T, {ws[0].tensor.row_length}), got {x.shape}"
             )
         return self._stream(x, cast(Sequence[Packed], ws), streams)  # Streams: all Packed
+
+    def expert_matmul(self, x: Any, experts: Sequence[Packed | Dense], selected: Any) -> Any:
+        """ggml's ``mul_mat_id`` (:func:`~qllama.backends.base.expert_matmul`), ``(T, k,
+        rows)``: in the CPU arithmetic with the compiled kernels, one call
+        (:mod:`~qllama.backends.numpy.kernels.experts`) that quantizes each row of ``x`` once
+        and reads only the selected experts' rows; else (another mode, a format without that
+        call, a selected Q8_0 expert the kernels do not compute exactly) one ``matmul`` per
+        selected expert. The same numbers either way."""
+        slabs = self._slabs(experts) if self.kernels == "numba" and self._q8 else None
+        if slabs is None:
+            return grouped_expert_matmul(self, x, experts, selected)
+        order, bounds = group_pairs(selected, len(experts))
+        chosen = np.flatnonzero(np.diff(bounds))
+        if not all(cast(Packed, experts[e]).kernels_exact for e in chosen):
+            return grouped_expert_matmul(self, x, experts, selected)
+        T, k = selected.shape
+        x = np.ascontiguousarray(x, dtype=F32)
+        if x.shape[-1] != slabs.row_length or x.shape[:-1] not in ((T,), (T, k)):
+            raise TensorShapeError(
+                f"expert_matmul with '{experts[0].tensor.name}' needs activations "
+                f"({T}, {slabs.row_length}) or ({T}, {k}, {slabs.row_length}), got {x.shape}"
+            )
+        x2 = x.reshape(-1, slabs.row_length)  # (T or T*k, K): each token's or pair's row
+        src = order if x.ndim == 3 else order // k  # the row of x2 of each grouped pair
+        from qllama.backends.numpy.kernels import experts as kernels
+
+        _, threads = self._kernels_for_this_thread()
+
+        serial = threads == 1 or order.size * slabs.row_length * slabs.rows < SERIAL_MACS
+        kernel = kernels.kernel(slabs.code, serial=serial)
+        out = np.empty(order.size * slabs.rows, F32)
+        simd = self.activation_rounding == "simd"
+        kernel(slabs.buffer, slabs.offsets, slabs.rows, x2, src, order, bounds, simd, threads, out)
+        self._limit_blas_once()
+        return out.reshape(T, k, slabs.rows)
+
+    def _slabs(self, experts: Sequence[Any]) -> Slabs | None:
+        """What one compiled ``mul_mat_id`` needs for ``experts`` (remembered by the first of
+        them), or None where one call cannot take them."""
+        if not isinstance(experts[0], Packed):
+            return None
+        known, key = experts[0].slabs, tuple(map(id, experts[1:]))
+        if key not in known:
+            known[key] = Slabs.of(experts)
+        return known[key]
 
     def _streams(self, ws: Sequence[Any]) -> Streams | None:
         """What one streaming call needs for ``ws`` (remembered by the first of them), or

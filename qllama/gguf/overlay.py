@@ -54,6 +54,9 @@ class TensorOverlay(GGUFFile):
         source = self.donors.get(name, self.base)
         return source.tensor_data(name)
 
+    def read_tensor(self, name: str, start: int, out: np.ndarray) -> None:
+        self.donors.get(name, self.base).read_tensor(name, start, out)
+
     def close(self) -> None:
         for f in (self.base, *self.owned):
             f.close()

@@ -469,6 +469,29 @@ class GGUFFile:
         view.flags.writeable = False
         return view
 
+    def read_tensor(self, name: str, start: int, out: np.ndarray) -> None:
+        """Bytes ``[start, start + out.size)`` of the tensor into ``out`` (uint8, contiguous):
+        read from the file where this is a file's map, so that the map's pages stay untouched
+        (a check of every byte leaves the process's resident set as it was); else copied
+        from the buffer."""
+        t = self.tensor(name)
+        if start < 0 or start + out.size > t.nbytes:
+            raise ValueError(
+                f"bytes [{start}, {start + out.size}) lie outside tensor '{name}' "
+                f"({t.nbytes} bytes)"
+            )
+        at = self.data_offset + t.offset + start
+        if self.path is None or self._owner is None:
+            out[:] = np.frombuffer(self._buf, dtype=np.uint8, count=out.size, offset=at)
+            return
+        with open(self.path, "rb") as f:
+            f.seek(at)
+            got = f.readinto(memoryview(out))
+        if got != out.size:
+            raise GGUFTruncatedError(
+                f"tensor '{name}': read {got} of {out.size} bytes at {at} of {self.path}"
+            )
+
     def __iter__(self) -> Iterator[TensorInfo]:
         return iter(self.tensors.values())
 

@@ -13,7 +13,7 @@ import dataclasses
 import importlib.util
 import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -102,18 +102,49 @@ def _scale_fields(fields: dict[str, np.ndarray]) -> list[np.ndarray]:
     return [v for v in fields.values() if v.dtype.kind == "f"]
 
 
+# bytes of a 3-D expert tensor checked at a time (a buffer of this size, reused)
+CHECK_CHUNK = 8 << 20
+
+
+def _checked_parts(f: GGUFFile, t: TensorInfo) -> Iterator[tuple[int, np.ndarray, tuple[int, ...]]]:
+    """A tensor's bytes for :func:`check_finite`, in parts: (its first block's index, its
+    bytes, its shape). A 2-D or 1-D tensor is one part, a view of the map (a run reads all of
+    it anyway); a 3-D expert tensor is read from the file a chunk of rows at a time, so that
+    the check leaves the map's pages of experts no token selects untouched (a run reads
+    only the selected experts' slabs: their peak RSS stays what the run touched)."""
+    if len(t.shape) != 3:
+        yield 0, f.tensor_data(t.name), t.shape
+        return
+    n, rows, row_length = t.shape
+    total = n * rows
+    row_bytes = t.nbytes // total
+    blocks_per_row = row_bytes // t.ggml_type.block.type_size
+    step = max(1, CHECK_CHUNK // row_bytes)
+    buf = np.empty(min(step, total) * row_bytes, np.uint8)
+    for r0 in range(0, total, step):
+        m = min(step, total - r0)
+        part = buf[: m * row_bytes]
+        f.read_tensor(t.name, r0 * row_bytes, part)
+        yield r0 * blocks_per_row, part, (m, row_length)
+
+
 def check_finite(f: GGUFFile, tensors: dict[str, TensorInfo]) -> None:
     """Refuse NaN or infinite block scales, mins and float weights: one such value turns a
     whole row of logits into NaN."""
     for name, t in tensors.items():
-        fields = quants.unpack(f.tensor_data(name), t.ggml_type, t.shape)
-        for v in _scale_fields(fields):
-            bad = np.flatnonzero(~np.isfinite(v).all(axis=tuple(range(1, v.ndim))))
-            if bad.size:
-                raise WeightValueError(
-                    f"tensor '{name}' block {int(bad[0])} has a non-finite scale or value "
-                    f"({bad.size} blocks in all)"
-                )
+        first, count = -1, 0
+        for block0, data, shape in _checked_parts(f, t):
+            for v in _scale_fields(quants.unpack(data, t.ggml_type, shape)):
+                bad = np.flatnonzero(~np.isfinite(v).all(axis=tuple(range(1, v.ndim))))
+                if bad.size:
+                    first = block0 + int(bad[0]) if first < 0 else first
+                    count += bad.size
+                    break  # a block is counted once, whichever of its fields is bad
+        if count:
+            raise WeightValueError(
+                f"tensor '{name}' block {first} has a non-finite scale or value "
+                f"({count} blocks in all)"
+            )
 
 
 def _norm(f: GGUFFile, t: TensorInfo, backend: Backend) -> Any:

@@ -1,0 +1,208 @@
+"""ggml's ``mul_mat_id`` on the CPU, compiled: a mixture of experts' products in one call.
+
+The call takes the rows of the activations ``x`` (R, K), each token's row once (up and gate:
+R = T) or each (token, slot)'s (down: R = T*k), and the pairs (token, slot) grouped by the
+expert they chose, as ggml buckets them: pair ``j`` of expert ``e`` (``bounds[e] <= j <
+bounds[e+1]``) multiplies row ``src[j]`` of ``x`` by expert ``e`` and writes row ``dst[j]`` of
+the output (P, n). Each row of ``x`` is quantized once to the experts' ``vec_dot_type`` (ggml
+quantizes ``src1`` once per call, before any expert), then each selected expert's weight rows
+are read from the file's map, split over the threads, and meet only the rows routed to them;
+an expert no pair chose is never read.
+
+The products per (row, weight row) are those of the decoding kernels
+(:mod:`qllama.backends.numpy.kernels.gemv`: the 32-block formats and IQ4_NL four rows a step,
+the K-quants and IQ4_XS a row a step) and, for MXFP4, of the table formats' loops
+(:func:`qllama.backends.numpy.kernels.matmul._table_rows`, on each expert's pairs'
+quantized rows gathered together): the same integers and float32 operations in the same
+order as ggml's generic C, so each pair's numbers are those of its row alone times its
+expert (``tests/test_moe.py`` checks them bit for bit against the backend's ``matmul``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from numba import njit, prange
+
+from qllama.backends.numpy.kernels.gemv import (
+    BLOCKS32,
+    IQ4_XS_SIZE,
+    Q8_0_CENTRE,
+    SIZES,
+    _chunk,
+    _four_rows,
+    _kquant_dot,
+    iq4xs_row,
+    legacy_rows,
+    q8_activations,
+    q8k_activations,
+    q8k_plain,
+)
+from qllama.backends.numpy.kernels.matmul import _table_rows
+from qllama.backends.numpy.kernels.simd import (
+    IQ4_NL,
+    IQ4_XS,
+    KQUANTS,
+    MXFP4,
+    Q2_K,
+    Q4_0,
+    Q4_1,
+    Q5_0,
+    Q5_1,
+    Q8_0,
+)
+from qllama.jit import INLINE, named_kernel
+
+MXFP4_SIZE = 17  # bytes of an MXFP4 block: e8m0 scale, 16 bytes of nibbles
+
+
+@njit(**INLINE)
+def mmid_legacy(buf, offs, n, x, src, dst, bounds, simd, threads, out, fmt):
+    """The 32-block formats and IQ4_NL: ``out[dst[j]*n:][:n] = x[src[j]] @ W_e.T`` for every
+    pair ``j`` of every expert ``e`` (its ``n`` rows at byte ``offs[e]`` of ``buf``); each
+    thread takes a share of every selected expert's rows, four at a time."""
+    k = x.shape[1]
+    nb = k // 32
+    rb = nb * SIZES[fmt]
+    with_m = fmt == Q4_1 or fmt == Q5_1
+    centre = 8 if fmt == Q4_0 else 16 if fmt == Q5_0 else 128 if fmt == IQ4_NL else 0
+    centre = Q8_0_CENTRE if fmt == Q8_0 else centre
+    qx, dx, sx, cx = q8_activations(x, simd, with_m, centre)  # every row once
+    groups = n // 4
+    for c in prange(threads):
+        g0, g1 = _chunk(groups, threads, c)
+        for e in range(offs.shape[0]):
+            for r in range(4 * g0, 4 * g1, 4):
+                for j in range(bounds[e], bounds[e + 1]):
+                    t = src[j]
+                    w = offs[e] + r * rb
+                    _four_rows(
+                        buf, w, rb, nb, qx, t * k, cx[t], dx[t], sx[t], out, dst[j] * n + r, fmt
+                    )
+            if c == threads - 1:
+                for r in range(4 * groups, n):
+                    for j in range(bounds[e], bounds[e + 1]):
+                        t = src[j]
+                        w = offs[e] + r * rb
+                        legacy_rows(
+                            buf,
+                            w,
+                            rb,
+                            nb,
+                            qx,
+                            t * k,
+                            cx[t],
+                            dx[t],
+                            sx[t],
+                            out,
+                            dst[j] * n + r,
+                            fmt,
+                            1,
+                        )
+
+
+@njit(**INLINE)
+def mmid_kquant(buf, offs, n, x, src, dst, bounds, simd, threads, out, fmt):
+    """As :func:`mmid_legacy`, for the K-quants (Q8_K activations), a row at a time."""
+    k = x.shape[1]
+    nb = k // 256
+    rb = nb * SIZES[fmt]
+    xl, dx, bs16, bs32 = q8k_activations(x)  # every row once
+    bs = bs16 if fmt == Q2_K else bs32  # Q2_K's mins: per 16
+    per = k // 16 if fmt == Q2_K else k // 32
+    for c in prange(threads):
+        r0, r1 = _chunk(n, threads, c)
+        for e in range(offs.shape[0]):
+            for r in range(r0, r1):
+                w = offs[e] + r * rb
+                for j in range(bounds[e], bounds[e + 1]):
+                    t = src[j]
+                    out[dst[j] * n + r] = _kquant_dot(
+                        buf, w, nb, xl, t * k, bs, t * per, dx[t], fmt
+                    )
+
+
+@njit(**INLINE)
+def mmid_iq4xs(buf, offs, n, x, src, dst, bounds, simd, threads, out, fmt):
+    """As :func:`mmid_legacy`, for IQ4_XS (Q8_K activations), a row at a time."""
+    k = x.shape[1]
+    nb = k // 256
+    rb = nb * IQ4_XS_SIZE
+    xq, dx, cx = q8k_plain(x)  # every row once
+    for c in prange(threads):
+        r0, r1 = _chunk(n, threads, c)
+        for e in range(offs.shape[0]):
+            for r in range(r0, r1):
+                w = offs[e] + r * rb
+                for j in range(bounds[e], bounds[e + 1]):
+                    t = src[j]
+                    iq4xs_row(
+                        buf, w, nb, xq, t * k, cx, t * k // 32, dx, t * nb, out, dst[j] * n + r
+                    )
+
+
+@njit(**INLINE)
+def mmid_mxfp4(buf, offs, n, x, src, dst, bounds, simd, threads, out, fmt):
+    """As :func:`mmid_legacy`, for MXFP4 (Q8_0 activations): each selected expert's pairs'
+    quantized rows gathered (bytes copied, not quantized again), then the table formats'
+    loops on its rows."""
+    k = x.shape[1]
+    nb = k // 32
+    rb = nb * MXFP4_SIZE
+    qx, dx, _, cx = q8_activations(x, simd, False, 1)  # cx: each block's sum of codes
+    for e in range(offs.shape[0]):
+        a, b = bounds[e], bounds[e + 1]
+        m = b - a
+        if m == 0:
+            continue
+        qe = np.empty(m * k, np.int8)
+        de = np.empty((m, nb), np.float32)
+        se = np.empty((nb, m), np.int32)  # (blocks, tokens), as _table_rows reads it
+        for i in range(m):
+            t = src[a + i]
+            qe[i * k : (i + 1) * k] = qx[t * k : (t + 1) * k]
+            de[i] = dx[t]
+            se[:, i] = cx[t]
+        oe = np.empty((m, n), np.float32)
+        raw = buf[offs[e] : offs[e] + n * rb]
+        chunks = max(1, min(n // 4, threads))
+        for c in prange(chunks):
+            r0, r1 = 4 * (c * (n // 4) // chunks), 4 * ((c + 1) * (n // 4) // chunks)
+            if c == chunks - 1:
+                r1 = n
+            _table_rows(raw, MXFP4, MXFP4_SIZE, r0, r1, qe, se, de, oe)
+        for i in range(m):
+            o = dst[a + i] * n
+            out[o : o + n] = oe[i]
+
+
+def _kernel(fmt: int, parallel: bool) -> Any:
+    """The driver for one format, the format a constant (every branch on it folded away)."""
+    legacy, kquant, iq4 = fmt in BLOCKS32, fmt in KQUANTS, fmt == IQ4_XS
+
+    def kernel(buf, offs, n, x, src, dst, bounds, simd, threads, out):
+        if legacy:
+            mmid_legacy(buf, offs, n, x, src, dst, bounds, simd, threads, out, fmt)
+        elif kquant:
+            mmid_kquant(buf, offs, n, x, src, dst, bounds, simd, threads, out, fmt)
+        elif iq4:
+            mmid_iq4xs(buf, offs, n, x, src, dst, bounds, simd, threads, out, fmt)
+        else:
+            mmid_mxfp4(buf, offs, n, x, src, dst, bounds, simd, threads, out, fmt)
+
+    return named_kernel(kernel, "mmid", fmt, parallel)
+
+
+# format id -> (parallel, serial) compiled kernels:
+# ``kernel(buf, offs, n, x, src, dst, bounds, simd, threads, out)``
+KERNELS = {
+    fmt: (_kernel(fmt, True), _kernel(fmt, False)) for fmt in (*BLOCKS32, *KQUANTS, IQ4_XS, MXFP4)
+}
+
+
+def kernel(fmt: int, *, serial: bool) -> Any | None:
+    """The compiled ``mul_mat_id`` for experts of format ``fmt`` (a GGML type id), or None
+    where there is none (the other formats: one ``matmul`` per selected expert)."""
+    pair = KERNELS.get(fmt)
+    return None if pair is None else pair[1 if serial else 0]
