@@ -512,7 +512,7 @@ class NumpyBackend(ArrayBackend):
             return grouped_expert_matmul(self, x, experts, selected)
         order, bounds = group_pairs(selected, len(experts))
         chosen = np.flatnonzero(np.diff(bounds))
-        if not all(cast(Packed, experts[e]).kernels_exact for e in chosen):
+        if not all(cast(Packed, experts[int(e)]).kernels_exact for e in chosen):
             return grouped_expert_matmul(self, x, experts, selected)
         T, k = selected.shape
         x = np.ascontiguousarray(x, dtype=F32)
@@ -529,6 +529,7 @@ class NumpyBackend(ArrayBackend):
 
         serial = threads == 1 or order.size * slabs.row_length * slabs.rows < SERIAL_MACS
         kernel = kernels.kernel(slabs.code, serial=serial)
+        assert kernel is not None  # Slabs.of took only formats with a kernel
         out = np.empty(order.size * slabs.rows, F32)
         simd = self.activation_rounding == "simd"
         kernel(slabs.buffer, slabs.offsets, slabs.rows, x2, src, order, bounds, simd, threads, out)

@@ -486,7 +486,7 @@ class GGUFFile:
             return
         with open(self.path, "rb") as f:
             f.seek(at)
-            got = f.readinto(memoryview(out))
+            got = f.readinto(out.data)
         if got != out.size:
             raise GGUFTruncatedError(
                 f"tensor '{name}': read {got} of {out.size} bytes at {at} of {self.path}"

@@ -145,7 +145,7 @@ class Agreement:
     @property
     def positions_changed(self) -> np.ndarray:
         """(T,) bool: some layer's selected set differs at the position."""
-        return self.changed.any(axis=0)
+        return np.asarray(self.changed.any(axis=0))
 
     def summary(self) -> RoutingSummary:
         changed = self.changed

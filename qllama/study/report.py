@@ -244,8 +244,8 @@ def section_layer_trace(pv: PromptView) -> list[str]:
 def section_routing(pv: PromptView) -> list[str]:
     """A mixture's experts against the F32 variant's, and the error with them forced
     (:mod:`qllama.measure.routing`), a row per cell."""
-    reports = [(label, pv.measures(label)) for label in pv.labels]
-    reports = [(label, m.routing) for label, m in reports if "routing" in m]
+    cells = [(label, pv.measures(label)) for label in pv.labels]
+    reports = [(label, m.routing) for label, m in cells if "routing" in m]
     if not reports:
         return []
 

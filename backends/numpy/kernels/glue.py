@@ -107,7 +107,7 @@ def _term(a: np.ndarray, i: int, square: bool) -> float:
 
 
 @njit(**JIT)
-def _block_sum(a: np.ndarray, off: int, n: int, square: bool) -> float:
+def _block_sum(a: np.ndarray, off: int, n: int, square: bool) -> np.float32:
     """numpy's pairwise sum of ``a[off:off+n]`` (or of its squares), ``n <= 128``."""
     if n < 8:
         res = ZERO
