@@ -186,20 +186,12 @@ class Streams:
         if len(ws) == 1:
             buffer, offsets = ws[0].tensor.data, ONE_OFFSET
         else:
-            base = _exporter(ws[0].tensor.data)
-            if base is None or any(
-                w.tensor.ggml_type != code
-                or w.tensor.row_length != k
-                or _exporter(w.tensor.data) is not base
-                for w in ws
+            shared = _one_buffer(ws)
+            if shared is None or any(
+                w.tensor.ggml_type != code or w.tensor.row_length != k for w in ws
             ):
                 return None
-            try:
-                buffer = np.frombuffer(base, dtype=np.uint8)
-            except (TypeError, ValueError, BufferError):  # not one contiguous buffer
-                return None
-            start = buffer.ctypes.data
-            offsets = np.array([w.tensor.data.ctypes.data - start for w in ws], np.int64)
+            buffer, offsets = shared
         total = int(rows.sum())
         return cls(int(code), buffer, offsets, rows, starts, spans, total * k, total)
 
@@ -226,23 +218,30 @@ class Slabs:
         if not all(isinstance(w, Packed) for w in experts):
             return None
         code = int(first.tensor.ggml_type)
-        base = _exporter(first.tensor.data)
-        if kernels.kernel(code, serial=True) is None or base is None:
-            return None
-        if any(
-            w.tensor.ggml_type != first.tensor.ggml_type
-            or w.tensor.shape != first.tensor.shape
-            or _exporter(w.tensor.data) is not base
+        if kernels.kernel(code, serial=True) is None or any(
+            w.tensor.ggml_type != first.tensor.ggml_type or w.tensor.shape != first.tensor.shape
             for w in experts
         ):
             return None
-        try:
-            buffer = np.frombuffer(base, dtype=np.uint8)
-        except (TypeError, ValueError, BufferError):  # not one contiguous buffer
+        shared = _one_buffer(experts)
+        if shared is None:
             return None
-        start = buffer.ctypes.data
-        offsets = np.array([w.tensor.data.ctypes.data - start for w in experts], np.int64)
+        buffer, offsets = shared
         return cls(code, buffer, offsets, first.tensor.rows, first.tensor.row_length)
+
+
+def _one_buffer(ws: Sequence[Packed]) -> tuple[np.ndarray, np.ndarray] | None:
+    """The one buffer every weight of ``ws`` is a view of, as uint8, and each weight's byte
+    offset in it (int64); None where they are views of different or non-contiguous buffers."""
+    base = _exporter(ws[0].tensor.data)
+    if base is None or any(_exporter(w.tensor.data) is not base for w in ws):
+        return None
+    try:
+        buffer = np.frombuffer(base, dtype=np.uint8)
+    except (TypeError, ValueError, BufferError):  # not one contiguous buffer
+        return None
+    start = buffer.ctypes.data
+    return buffer, np.array([w.tensor.data.ctypes.data - start for w in ws], np.int64)
 
 
 # Attention scores of at most this many query rows per KV head (a decode step: 1-2 tokens
