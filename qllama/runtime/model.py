@@ -407,6 +407,8 @@ class Model:
             masked_softmax, xp=xp
         )
         self.attention = glue(backend, "attention") or self._attention_xp
+        # a router's softmax: ggml's exps and double sum under the CPU arithmetic
+        self.gate_softmax = functools.partial(soft_max, backend)
 
     def forward(
         self,
@@ -841,9 +843,7 @@ class Model:
         logits = self._linear(x, layer.ffn_gate_inp, layer.ffn_gate_inp_bias)  # (T, n_expert)
         if observer is not None:
             observer(f"blk.{i}.router", logits)
-        # ggml's soft_max as the backend computes it (the CPU arithmetic's exps and double sum)
-        gate_softmax = functools.partial(soft_max, self.backend)
-        probs = router_gate(logits, e.gating, xp=xp, softmax=gate_softmax)
+        probs = router_gate(logits, e.gating, xp=xp, softmax=self.gate_softmax)
         selected = select_experts(probs, k, xp=xp, asarray=self.backend.asarray)  # (T, k)
         if observer is not None:  # an observer may route otherwise (a counterfactual)
             forced = observer(f"blk.{i}.experts", selected)
@@ -856,7 +856,7 @@ class Model:
             c.expert_weights_norm,
             c.expert_weights_scale,
             xp=xp,
-            softmax=gate_softmax,
+            softmax=self.gate_softmax,
         )  # (T, k)
         flat = xp.reshape(selected, (-1,))  # (T*k,) for the experts' biases
         up = self._experts(x, layer.ffn_up_exps, layer.ffn_up_exps_bias, selected, flat)
@@ -867,7 +867,7 @@ class Model:
             if e.activation == ExpertActivation.SWIGLU_OAI:
                 h = swiglu_oai(gate, up, xp=xp)
             else:
-                h = self.activation(gate, xp=xp) * up  # (T, k, n_ff_exp)
+                h = self.gated(gate, up)  # (T, k, n_ff_exp)
         down = self._experts(h, layer.ffn_down_exps, layer.ffn_down_exps_bias, selected, flat)
         down = down * weights[:, :, None]  # (T, k, n_embd)
         out = down[:, 0, :]  # (T, n_embd)
@@ -907,7 +907,7 @@ class Model:
         spelling of sigmoid(g), g = x . ffn_gate_inp_shexp (NaN where g is 0, as there)."""
         xp = self.xp
         gate, up = self._linears(x, (layer.ffn_gate_shexp, None), (layer.ffn_up_shexp, None))
-        sh = self._linear(self.activation(gate, xp=xp) * up, layer.ffn_down_shexp)  # (T, n_embd)
+        sh = self._linear(self.gated(gate, up), layer.ffn_down_shexp)  # (T, n_embd)
         if e.shared != SharedExpert.GATED:
             return sh
         g = xp.matmul(x, layer.ffn_gate_inp_shexp[:, None])  # (T, 1)
