@@ -50,6 +50,7 @@ from common import (  # noqa: E402
     TRANSFORMERS,
     Config,
     Outcome,
+    chosen,
     run_worker,
 )
 
@@ -95,7 +96,7 @@ def configs(paths: dict[str, str], only: str | None) -> list[Config]:
         for logits_all in (False, True):
             job = {"kind": "llama_cpp", "file": paths[ft], "logits_all": logits_all}
             rows.append(Config(LLAMA_CPP, ft, job))
-    return [c for c in rows if only is None or only.lower() in c.name.lower()]
+    return [c for c in rows if chosen(only, c.name)]
 
 
 def perplexity_configs(
@@ -110,7 +111,7 @@ def perplexity_configs(
         if llama_bin:
             job = {"kind": "llama_perplexity", "llama_bin": llama_bin, **common}
             rows.append(Config(LLAMA_PERPLEXITY, ft, job))
-    return [c for c in rows if only is None or only.lower() in c.name.lower()]
+    return [c for c in rows if chosen(only, c.name)]
 
 
 # --- running ----------------------------------------------------------------------------------
@@ -208,7 +209,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--decode-steps", type=int, default=32)
     p.add_argument("--quick", action="store_true", help="1 repeat, 16 decode steps")
-    p.add_argument("--only", help="run the configurations whose name contains this")
+    p.add_argument("--only", help="run the configurations whose name contains this (A|B: either)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per configuration")
     p.add_argument("--llama-python", default=sys.executable, help="python with llama-cpp-python")
     p.add_argument("--llama-note", help="why llama.cpp is missing (the nox session sets it)")
@@ -310,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         outcomes[c.name] = (c, out)
 
     observer = None
-    if args.only is None or args.only.lower() in OBSERVER:
+    if chosen(args.only, OBSERVER):
         print(f"{OBSERVER} ...", end=" ", flush=True)
         job = {
             "kind": "observer",
@@ -326,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         observer = out.result
 
     serving = None
-    if not args.no_serve and (args.only is None or args.only.lower() in "serving"):
+    if not args.no_serve and chosen(args.only, "serving"):
         serving = run_serving(args, paths["Q8_0"], llama_note)
 
     at_scale = scale.run(args, llama_note) if scale.selected(args) else None

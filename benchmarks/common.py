@@ -123,6 +123,12 @@ def worker_result(job: dict[str, Any], timeout: float, script: str) -> dict[str,
     return out.result if out.result is not None else {"error": out.error}
 
 
+def chosen(only: str | None, name: str) -> bool:
+    """Whether ``--only`` picks the configuration or section ``name``: no ``--only``, or one
+    of its ``|``-separated parts is in the name (case ignored)."""
+    return only is None or any(part.lower() in name.lower() for part in only.split("|") if part)
+
+
 def fmt(x: float | None, spec: str = "{:.1f}") -> str:
     """``x`` by ``spec``, or ``-`` where there is no number."""
     return "-" if x is None else spec.format(x)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common import MODEL, memory_mb, run_worker
+from common import MODEL, chosen, memory_mb, run_worker
 
 SECTION = "at scale"
 TYPES = ("Q8_0", "Q4_K")  # the synthetic files' weight types
@@ -280,7 +280,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def selected(args: argparse.Namespace) -> bool:
     """Whether bench.py runs the section: not ``--no-scale``, and ``--only`` names it."""
-    return not args.no_scale and (args.only is None or args.only.lower() in SECTION)
+    return not args.no_scale and chosen(args.only, SECTION)
 
 
 def run(args: argparse.Namespace, llama_note: str | None) -> dict[str, Any]:
