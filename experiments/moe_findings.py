@@ -56,18 +56,34 @@ def f32_routes_as_the_reference(view: View) -> Iterator[Check]:
         yield Check(f"F32-{SETTING}", "mean KLD", r.free.mean_kld, "0", r.free.mean_kld == 0.0)
 
 
-# Under the CPU arithmetic the F32 file's router input is computed from activations rounded to
-# 8 bits before every product, so it moves by the arithmetic's error alone, and selections near
-# a tie cross: the F32 file's changes there are what the arithmetic costs the routing, the floor
-# under the quantized files' numbers in that setting. Reported against Q8_0's, not asserted: how
-# many pairs sit that close to a tie depends on the prompt.
-def cpu_arithmetic_reroutes(view: View) -> Iterator[Check]:
-    f32, q8 = _routing(view, "F32", "cpu"), _routing(view, "Q8_0", "cpu")
-    if f32 is not None:
-        bound = "> 0" if q8 is None else f"> 0, <= {q8.routing.changed:.4g} (Q8_0)"
-        ok = f32.routing.changed > 0 and (q8 is None or f32.routing.changed <= q8.routing.changed)
-        changed = f32.routing.changed
-        yield Check("F32-cpu", "(layer, token) pairs routed otherwise", changed, bound, ok)
+# ggml multiplies F32 weights by float32 activations (F32's vec_dot type is F32): the CPU
+# arithmetic rounds activations to 8 bits only before products with quantized weights. So the
+# F32 file under it differs from the reference in the order of float sums alone (mean KLD 8e-12
+# measured), far below any router margin: no selection crosses (0 pairs on both prompts). Not
+# asserted: another machine's BLAS sums in another order, and a pair that close to a tie is
+# possible, though not seen.
+def f32_cpu_routes_as_the_reference(view: View) -> Iterator[Check]:
+    r = _routing(view, "F32", "cpu")
+    if r is not None:
+        changed = r.routing.changed
+        yield Check("F32-cpu", "(layer, token) pairs routed otherwise", changed, "0", changed == 0)
+
+
+# Under the CPU arithmetic a quantized file's router input carries the activations' 8-bit
+# rounding besides the weights' error. For Q8_0 the two are of a size (8 bits, a scale per 32
+# values, each), so more selections cross than under dequantize-all: measured 0.75% against
+# 0.35% (cpu-cache) and 1.26% against 0.50% (raw). For Q4_K_M the weights' error dominates and
+# the two settings are within 3% of each other (3.18% against 3.10%), so only Q8_0 is asserted.
+def cpu_arithmetic_reroutes_q8_more(view: View) -> Iterator[Check]:
+    cpu, deq = _routing(view, "Q8_0", "cpu"), _routing(view, "Q8_0", SETTING)
+    if cpu is not None and deq is not None:
+        yield Check(
+            "Q8_0-cpu",
+            "pairs routed otherwise, over dequantize-all's",
+            cpu.routing.changed,
+            f"> {deq.routing.changed:.4g}",
+            cpu.routing.changed > deq.routing.changed,
+        )
 
 
 # Q4_K_M's weight error is several times Q8_0's, so its router inputs move more, and more
