@@ -85,15 +85,8 @@ def bench_config(weight_type: str, n_layer: int, n_ctx: int, **shape: Any) -> An
 def tiny_config(shape: Shape, weight_type: str, n_layer: int) -> Any:
     """The :class:`qllama.synthetic.TinyConfig` of ``shape`` with ``n_layer`` layers."""
     s = shape
-    return bench_config(
-        weight_type,
-        n_layer,
-        N_CTX,
-        n_embd=s.n_embd,
-        n_ff=s.n_ff,
-        n_head=s.n_head,
-        n_head_kv=s.n_head_kv,
-    )
+    sizes = {"n_embd": s.n_embd, "n_ff": s.n_ff, "n_head": s.n_head, "n_head_kv": s.n_head_kv}
+    return bench_config(weight_type, n_layer, N_CTX, **sizes)
 
 
 def write_replicated(path: Path, cfg: Any) -> None:
