@@ -33,7 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common import memory_mb, pin_cpus, run_worker, thread_env
+import scale
+from common import fmt, memory_mb, pin_cpus, run_worker, thread_env
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -67,45 +68,31 @@ SHAPE = MoeShape()
 
 def tiny_config(shape: MoeShape, weight_type: str, n_layer: int) -> Any:
     """The :class:`qllama.synthetic.TinyConfig` of ``shape`` with ``n_layer`` layers."""
-    from qllama.synthetic import TinyConfig
-
-    return TinyConfig(
+    s = shape
+    return scale.bench_config(
+        weight_type,
+        n_layer,
+        N_CTX,
         arch="qwen3moe",
-        n_layer=n_layer,
-        n_embd=shape.n_embd,
-        n_ff=shape.n_ff_exp,  # feed_forward_length (qwen3moe's experts have their own)
-        n_head=shape.n_head,
-        n_head_kv=shape.n_head_kv,
-        head_dim=shape.head_dim,
-        n_ctx=N_CTX,
-        tied=False,
-        weight_type=weight_type,
-        vocab="gpt2",
-        n_expert=shape.n_expert,
-        n_expert_used=shape.n_expert_used,
-        n_ff_exp=shape.n_ff_exp,
+        n_embd=s.n_embd,
+        n_ff=s.n_ff_exp,  # feed_forward_length (qwen3moe's experts have their own)
+        n_head=s.n_head,
+        n_head_kv=s.n_head_kv,
+        head_dim=s.head_dim,
+        n_expert=s.n_expert,
+        n_expert_used=s.n_expert_used,
+        n_ff_exp=s.n_ff_exp,
     )
 
 
 def moe_file(shape: MoeShape, weight_type: str, n_layer: int) -> tuple[Path, dict[str, Any]]:
     """The cached synthetic MoE file (written on first use) and how it was made."""
-    import scale
-
-    from qllama import defaults
-
     s = shape
     name = (
         f"qwen3moe-{n_layer}x{s.n_embd}-h{s.n_head}-kv{s.n_head_kv}-e{s.n_expert}"
         f"x{s.n_ff_exp}-top{s.n_expert_used}-{weight_type}.gguf"
     )
-    return scale.cached_file(
-        defaults.cache_dir() / "bench" / name, tiny_config(shape, weight_type, n_layer)
-    )
-
-
-def token_ids(n: int) -> list[int]:
-    """``n`` fixed token ids valid in the synthetic vocabulary."""
-    return [3 + (37 * i) % 250 for i in range(n)]
+    return scale.cached_file(name, tiny_config(shape, weight_type, n_layer))
 
 
 def parameters(shape: MoeShape, n_layer: int) -> tuple[float, float]:
@@ -332,7 +319,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     load_before = os.getloadavg()
     layers = args.layers or SHAPE.n_layer
     exe, bin_dir = llama_speed(args.llama_bin)
-    ids = token_ids(TF_TOKENS)
+    ids = scale.token_ids(TF_TOKENS)
     job = {"threads": args.threads, "ids": ids, "prompt": PROMPT, "steps": args.steps}
     job |= {"warmup": 2, "repeats": args.repeats}
     files: dict[str, Any] = {}
@@ -391,10 +378,6 @@ def _median(xs: list[float | None]) -> float | None:
     return statistics.median(vals) if vals else None
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
-
-
 def summary(s: dict[str, Any], ft: str) -> dict[str, Any]:
     """One file's medians over rounds: each side's rates, the ratios of each round (the
     sides of one round ran under the same load), the memory numbers."""
@@ -403,7 +386,7 @@ def summary(s: dict[str, Any], ft: str) -> dict[str, Any]:
     for r in f["rounds"]:
         q = rates(r["qllama"], s["steps"], s["tf_tokens"])
         lc = rates(r["llama"], s["steps"], s["tf_tokens"])
-        per.append((q, lc, {k: _ratio(q[k], lc[k]) for k in q}))
+        per.append((q, lc, {k: scale.ratio(q[k], lc[k]) for k in q}))
     keys = ("decode_tok_s", "decode_cpu_tok_s", "tf_tok_s", "tf_cpu_tok_s")
     out: dict[str, Any] = {
         "q": {k: _median([p[0][k] for p in per]) for k in keys},
@@ -433,10 +416,6 @@ def summary(s: dict[str, Any], ft: str) -> dict[str, Any]:
             "peak_mb": max(x["peak_rss_mb"] for x in ls) * MIB,
         }
     return out
-
-
-def _num(x: float | None, spec: str = "{:.1f}") -> str:
-    return "-" if x is None else spec.format(x)
 
 
 def markdown(s: dict[str, Any]) -> list[str]:
@@ -483,7 +462,7 @@ def markdown(s: dict[str, Any]) -> list[str]:
         q, lc, x = m["q"], m["l"], m["ratio"]
         cells = []
         for k in ("decode_tok_s", "decode_cpu_tok_s", "tf_tok_s", "tf_cpu_tok_s"):
-            cells += [f"{_num(q[k])} / {_num(lc[k])}", _num(x[k], "{:.2f}x")]
+            cells += [f"{fmt(q[k])} / {fmt(lc[k])}", fmt(x[k], "{:.2f}x")]
         out.append(f"| {ft} | {s['files'][ft]['mb']:.0f} | " + " | ".join(cells) + " |")
     out += [
         "",
@@ -504,10 +483,10 @@ def markdown(s: dict[str, Any]) -> list[str]:
             continue
         ok = "**met**" if mm["decode_peak_mb"] <= mm["limit_mb"] else "**missed**"
         out.append(
-            f"| {ft} | {_num(mm['load_mapped_mb'], '{:.0f}')} | {mm['decode_experts']} "
+            f"| {ft} | {fmt(mm['load_mapped_mb'], '{:.0f}')} | {mm['decode_experts']} "
             f"| {mm['touched_mb']:.0f} | {mm['decode_peak_mb']:.0f} | {mm['limit_mb']:.0f} "
             f"| {ok} | {mm['peak_mb']:.0f} "
-            f"| {_num(ml.get('decode_peak_mb'), '{:.0f}')} / {_num(ml.get('peak_mb'), '{:.0f}')} |"
+            f"| {fmt(ml.get('decode_peak_mb'), '{:.0f}')} / {fmt(ml.get('peak_mb'), '{:.0f}')} |"
         )
     out += ["", "Targets (issue 29): decode >= 0.8x and teacher forcing >= 1x llama.cpp:", ""]
     for ft, m in sums.items():
@@ -518,8 +497,8 @@ def markdown(s: dict[str, Any]) -> list[str]:
             wall, cpu = m["ratio"][key], m["ratio"][key.replace("_tok", "_cpu_tok")]
             ok = "not measured" if wall is None else ("**met**" if wall >= goal else "**missed**")
             out.append(
-                f"- {ft} {what} >= {goal:g}x: {_num(wall, '{:.2f}x')} wall ({ok}), "
-                f"{_num(cpu, '{:.2f}x')} CPU time"
+                f"- {ft} {what} >= {goal:g}x: {fmt(wall, '{:.2f}x')} wall ({ok}), "
+                f"{fmt(cpu, '{:.2f}x')} CPU time"
             )
     return [*out, ""]
 

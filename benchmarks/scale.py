@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common import MODEL, chosen, memory_mb, run_worker
+from common import MODEL, chosen, fmt, memory_mb, run_worker
 
 SECTION = "at scale"
 TYPES = ("Q8_0", "Q4_K")  # the synthetic files' weight types
@@ -65,30 +65,28 @@ SHAPES = {
 # --- the synthetic files -----------------------------------------------------------------------
 
 
-def tiny_config(shape: Shape, weight_type: str, n_layer: int) -> Any:
-    """The :class:`qllama.synthetic.TinyConfig` of ``shape`` with ``n_layer`` layers."""
+def bench_config(weight_type: str, n_layer: int, n_ctx: int, **shape: Any) -> Any:
+    """The :class:`qllama.synthetic.TinyConfig` of a bench's synthetic file (this section's,
+    benchmarks/moe.py's): ``shape``'s widths and heads (and family, where not a llama) with
+    ``n_layer`` layers and ``n_ctx`` positions, an untied output, the synthetic gpt2
+    vocabulary."""
     from qllama.synthetic import TinyConfig
 
     return TinyConfig(
         n_layer=n_layer,
-        n_embd=shape.n_embd,
-        n_ff=shape.n_ff,
-        n_head=shape.n_head,
-        n_head_kv=shape.n_head_kv,
-        n_ctx=N_CTX,
+        n_ctx=n_ctx,
         tied=False,
         weight_type=weight_type,
         vocab="gpt2",
+        **shape,
     )
 
 
-def synthetic_path(shape: Shape, weight_type: str, n_layer: int) -> Path:
-    """Where the synthetic file of ``shape`` lives in the qllama cache."""
-    from qllama import defaults
-
+def tiny_config(shape: Shape, weight_type: str, n_layer: int) -> Any:
+    """The :class:`qllama.synthetic.TinyConfig` of ``shape`` with ``n_layer`` layers."""
     s = shape
-    name = f"llama-{n_layer}x{s.n_embd}-h{s.n_head}-kv{s.n_head_kv}-ff{s.n_ff}-{weight_type}.gguf"
-    return defaults.cache_dir() / "bench" / name
+    sizes = {"n_embd": s.n_embd, "n_ff": s.n_ff, "n_head": s.n_head, "n_head_kv": s.n_head_kv}
+    return bench_config(weight_type, n_layer, N_CTX, **sizes)
 
 
 def write_replicated(path: Path, cfg: Any) -> None:
@@ -124,16 +122,18 @@ def write_replicated(path: Path, cfg: Any) -> None:
 
 def synthetic_file(shape: Shape, weight_type: str, n_layer: int) -> tuple[Path, dict[str, Any]]:
     """The cached synthetic file (written on first use) and how it was made: seconds taken."""
-    return cached_file(
-        synthetic_path(shape, weight_type, n_layer), tiny_config(shape, weight_type, n_layer)
-    )
+    s = shape
+    name = f"llama-{n_layer}x{s.n_embd}-h{s.n_head}-kv{s.n_head_kv}-ff{s.n_ff}-{weight_type}.gguf"
+    return cached_file(name, tiny_config(shape, weight_type, n_layer))
 
 
-def cached_file(path: Path, cfg: Any) -> tuple[Path, dict[str, Any]]:
-    """The synthetic file of ``cfg`` at ``path``, written (one layer replicated) on first use,
-    and how it was made: seconds taken."""
+def cached_file(name: str, cfg: Any) -> tuple[Path, dict[str, Any]]:
+    """The synthetic file of ``cfg`` named ``name`` in ``<cache>/bench/``, written (one layer
+    replicated) on first use, and how it was made: seconds taken."""
+    from qllama import defaults
     from qllama.atomic import atomic_write, exclusive
 
+    path = defaults.cache_dir() / "bench" / name
     made = path.with_name(path.name + ".json")
     fresh = False
     with exclusive(path.with_name(path.name + ".lock")):  # one writer; the others wait
@@ -358,15 +358,12 @@ def run(args: argparse.Namespace, llama_note: str | None) -> dict[str, Any]:
 # --- the report -----------------------------------------------------------------------------
 
 
-def _num(x: float | None, fmt: str = "{:.1f}") -> str:
-    return "-" if x is None else fmt.format(x)
-
-
 def _get(d: dict | None, key: str) -> float | None:
     return None if d is None else d.get(key)
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
+def ratio(a: float | None, b: float | None) -> float | None:
+    """``a / b``, or None where either is missing (or ``b`` is 0)."""
     return a / b if a is not None and b else None
 
 
@@ -393,8 +390,8 @@ def markdown(s: dict[str, Any]) -> list[str]:
     """The section "At scale" of docs/bench.md."""
     copy = s.get("copy") or {}
     n = s["threads"]
-    bw = f"{_num(copy.get(f'copy_gb_s_{n}'))} GB/s with {n} threads"
-    bw += f", {_num(copy.get('copy_gb_s_1'))} with 1" if n != 1 else ""
+    bw = f"{fmt(copy.get(f'copy_gb_s_{n}'))} GB/s with {n} threads"
+    bw += f", {fmt(copy.get('copy_gb_s_1'))} with 1" if n != 1 else ""
     shapes = "; ".join(
         f"{k}: {v['n_layer']} layers, {v['n_embd']} wide, {v['n_head']} heads / {v['n_head_kv']} "
         f"KV heads, n_ff {v['n_ff']}"
@@ -453,13 +450,13 @@ def markdown(s: dict[str, Any]) -> list[str]:
         m = _measures(r)
         out.append(
             f"| {r['size']} | {r['name']} | {r['mb']:.0f} | {r['streamed_mb']:.0f} "
-            f"| {_num(m['q_decode'])} / {_num(m['l_decode'])} "
-            f"| {_num(_ratio(m['q_decode'], m['l_decode']), '{:.2f}x')} "
-            f"| {_num(m['q_gb_s'])} / {_num(m['l_gb_s'])} "
-            f"| {_num(m['q_tf'])} / {_num(m['l_tf'])} "
-            f"| {_num(_ratio(m['q_tf'], m['l_tf']), '{:.2f}x')} "
-            f"| {_num(m['q_rss_gen'], '{:.0f}')} / {_num(m['q_rss'], '{:.0f}')} "
-            f"| {_num(m['l_rss_gen'], '{:.0f}')} / {_num(m['l_rss'], '{:.0f}')} |"
+            f"| {fmt(m['q_decode'])} / {fmt(m['l_decode'])} "
+            f"| {fmt(ratio(m['q_decode'], m['l_decode']), '{:.2f}x')} "
+            f"| {fmt(m['q_gb_s'])} / {fmt(m['l_gb_s'])} "
+            f"| {fmt(m['q_tf'])} / {fmt(m['l_tf'])} "
+            f"| {fmt(ratio(m['q_tf'], m['l_tf']), '{:.2f}x')} "
+            f"| {fmt(m['q_rss_gen'], '{:.0f}')} / {fmt(m['q_rss'], '{:.0f}')} "
+            f"| {fmt(m['l_rss_gen'], '{:.0f}')} / {fmt(m['l_rss'], '{:.0f}')} |"
         )
     out += ["", *scaling_md(s), "", *context_md(s), "", *targets_md(s)]
     if s.get("failed"):
@@ -483,8 +480,8 @@ def scaling_md(s: dict[str, Any]) -> list[str]:
             for size in sizes:
                 row = s["rows"].get(f"{size} {ft}")
                 m = _measures(row) if row else {}
-                x = _ratio(m.get(q), m.get(lc))
-                cells.append(f"{_num(m.get(q))} / {_num(m.get(lc))} = {_num(x, '{:.2f}x')}")
+                x = ratio(m.get(q), m.get(lc))
+                cells.append(f"{fmt(m.get(q))} / {fmt(m.get(lc))} = {fmt(x, '{:.2f}x')}")
             out.append(f"| {what}, {ft} | " + " | ".join(cells) + " |")
     return out
 
@@ -505,7 +502,7 @@ def context_md(s: dict[str, Any]) -> list[str]:
     ]
     for n in CONTEXTS:
         a, b = q.get(str(n)), lc.get(str(n))
-        out.append(f"| {n} | {_num(a)} | {_num(b)} | {_num(_ratio(b, a), '{:.2f}x')} |")
+        out.append(f"| {n} | {fmt(a)} | {fmt(b)} | {fmt(ratio(b, a), '{:.2f}x')} |")
     return out
 
 
@@ -523,9 +520,9 @@ def targets_md(s: dict[str, Any]) -> list[str]:
             ("decode", "q_decode", "l_decode", 0.8),
             ("teacher forcing", "q_tf", "l_tf", 1.0),
         ):
-            x = _ratio(m[q], m[lc])
+            x = ratio(m[q], m[lc])
             ok = "not measured" if x is None else ("**met**" if x >= goal else "**missed**")
-            out.append(f"- {ft} {what} >= {goal:g}x llama.cpp: {_num(x, '{:.2f}x')}: {ok}")
+            out.append(f"- {ft} {what} >= {goal:g}x llama.cpp: {fmt(x, '{:.2f}x')}: {ok}")
         layers = s.get("layers") or shape["n_layer"]
         head_dim = shape["n_embd"] // shape["n_head"]
         kv = 2 * layers * TF_TOKENS * shape["n_head_kv"] * head_dim * 4 / 1e6  # f32 K and V
@@ -534,6 +531,6 @@ def targets_md(s: dict[str, Any]) -> list[str]:
         ok = "not measured" if rss is None else ("**met**" if rss <= limit else "**missed**")
         out.append(
             f"- {ft} peak RSS <= 1.1 x {row['mb']:.0f} MB + {kv:.0f} MB KV cache + 100 MB = "
-            f"{limit:.0f} MB: {_num(rss, '{:.0f}')} MB: {ok}"
+            f"{limit:.0f} MB: {fmt(rss, '{:.0f}')} MB: {ok}"
         )
     return out

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -160,6 +161,48 @@ def test_the_command_end_to_end(tiny, tmp_path, monkeypatch, capsys):
     assert main(_argv(tiny, tmp_path / "second.gguf", target)) == 0
     assert "sensitivity 0/" not in capsys.readouterr().err
     assert (tmp_path / "second.gguf").read_bytes() == out.read_bytes()
+
+
+def test_the_comparison_measures_the_file_written_not_a_second_quantization(
+    tiny, tmp_path, monkeypatch
+):
+    """``--compare`` measures the recipe's file where the recipe wrote it: the recipe's
+    overrides are quantized once, and the report is the one of a comparison that has the
+    study machinery build the recipe's variant again."""
+    from qllama import model_files
+    from qllama.gguf import quantizer
+    from qllama.recipe import compare
+
+    monkeypatch.setenv("QLLAMA_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(corpus, "text", lambda name, **kw: TEXT)
+    made = []
+    quantize = quantizer.quantize_file
+
+    def counted(src, dst, ftype, **kw):
+        if kw.get("overrides") is not None:  # not a stock mixture
+            made.append(Path(dst))
+        return quantize(src, dst, ftype, **kw)
+
+    monkeypatch.setattr(quantizer, "quantize_file", counted)
+    monkeypatch.setattr(model_files, "quantize_file", counted)  # the study's variants
+
+    def run(name: str) -> int:
+        report = ["--report", str(tmp_path / name), "--results", str(tmp_path / "results")]
+        compared = ["--compare", "--stock", "Q4_0", "--executor", "local", "--no-plot"]
+        return main(_argv(tiny, tmp_path / f"{name}.gguf", 6, *compared, *report))
+
+    assert main(_argv(tiny, tmp_path / "first.gguf", 6)) == 0  # the sensitivities, cached
+    made.clear()  # (their donor files have overrides too)
+    assert run("once") == 0
+    assert made == [tmp_path / "once.gguf"]
+    made.clear()
+    study = compare.study  # as before: the recipe's variant without its file
+    monkeypatch.setattr(compare, "study", lambda *a, files=None, **kw: study(*a, **kw))
+    assert run("twice") == 0
+    assert made[0] == tmp_path / "twice.gguf" and len(made) == 2
+    assert made[1].read_bytes() == made[0].read_bytes()  # the same file, so the same cells
+    for name in ("recipe.json", "recipe.md"):
+        assert (tmp_path / "once" / name).read_text() == (tmp_path / "twice" / name).read_text()
 
 
 def test_bad_arguments_are_refused_before_any_work(tiny, tmp_path, capsys):

@@ -107,6 +107,21 @@ def test_an_f32_source_is_its_own_f32_variant(folder):
     assert str(folder / "cache") in q8.path
 
 
+def test_a_variant_with_its_file_is_that_file(folder):
+    # a file made already (a recipe's): measured as it is, nothing built into the cache
+    made = folder / "made.gguf"
+    quantize_file(folder / "tiny.gguf", made, "Q4_0")
+    study = study_with(folder, type="Q4_0", file="made.gguf")
+    v = study.variant("Q4_0-imatrix")
+    assert v.file == str(made)  # relative to the declaration's folder
+    got = build(study.model_source(), v)
+    assert got.path == str(made) and got.sha256 == sha256_file(made)
+    assert not list((folder / "cache").rglob("*.gguf"))
+    made.unlink()
+    with pytest.raises(StudyError, match="no file"):
+        build(study.model_source(), v)
+
+
 def test_a_variant_with_tensor_types_is_llama_quantize_with_those_overrides(folder):
     from qllama.gguf.quantizer import Overrides
     from qllama.gguf.reader import read_gguf

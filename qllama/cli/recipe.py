@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from qllama.cli.common import Subparsers, require_module
@@ -155,15 +156,15 @@ def run(args: argparse.Namespace) -> int:
     print("llama-quantize makes the same file with:\n  " + recipe.command(args.out, args.imatrix))
     if not args.compare:
         return 0
-    return _compare(args, f32, recipe, {f"recipe-{args.target_bpw:g}": measured})
+    return _compare(args, f32, recipe, written["gguf"], measured)
 
 
 def _compare(
-    args: argparse.Namespace, f32: str, recipe: Recipe, calibration: dict[str, float]
+    args: argparse.Namespace, f32: str, recipe: Recipe, file: Path, measured: float
 ) -> int:
-    """The recipe beside the stock mixtures on the held-out windows (a ladder study)."""
-    from pathlib import Path
-
+    """The recipe's ``file`` (as written, whole-file mean KLD ``measured`` on the
+    calibration windows) beside the stock mixtures on the held-out windows (a ladder
+    study)."""
     from qllama.recipe import compare
     from qllama.study import Options
     from qllama.study import ladder as ladders
@@ -180,6 +181,7 @@ def _compare(
         n_ctx=args.ctx,
         settings=settings,
         threads=args.threads or 1,
+        files={compare.recipe_name(recipe): file},
     )
     options = Options(results=Path(args.results), executor=args.executor, workers=args.workers)
     status, data = execute(study, options)
@@ -187,6 +189,7 @@ def _compare(
         return status
     paths = {name: v.path for name, v in build_variants(study).items()}
     table = ladders.rows(study, rungs, data, paths)
+    calibration = {compare.recipe_name(recipe): measured}
     rows = [v for s in settings for v in compare.versus(table, [recipe], s, calibration)]
     about = (
         f"Held out: the first {args.chunks} windows of {args.ctx} tokens of `{args.corpus}` "

@@ -2,9 +2,10 @@
 
 The comparison is a ladder study (:mod:`qllama.study.ladder`): the stock mixtures
 (:data:`STOCK`) and each recipe's file (a variant with the recipe's ``--tensor-type``
-overrides, built by the study machinery like any file) measured by the ladder's corpus measure
-on its first ``chunks`` windows, which the calibration windows come after, so no recipe is
-judged on the text it was chosen on. Cells are cached as every study's are: an interrupted
+overrides: the file ``qllama recipe`` wrote where it is given, else built by the study
+machinery like any file) measured by the ladder's corpus measure on its first ``chunks``
+windows, which the calibration windows come after, so no recipe is judged on the text it was
+chosen on. Cells are cached as every study's are: an interrupted
 comparison resumes, and a stock mixture already measured by a ladder with the same settings is
 not measured again.
 
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -44,9 +45,12 @@ def study(
     n_ctx: int = 512,
     settings: Sequence[str] = ("dequantize-all",),
     threads: int = 1,
+    files: Mapping[str, str | os.PathLike[str]] | None = None,
 ) -> tuple[Any, list[Any]]:
     """The ladder study of the stock mixtures and the recipes' files (with the importance
-    matrix file ``imatrix`` for all of them, or none), and its rungs."""
+    matrix file ``imatrix`` for all of them, or none), and its rungs. ``files`` are the
+    recipes' files already written, by :func:`recipe_name`: measured as they are, not
+    quantized again."""
     from qllama.study.declaration import StudyError, Variant
     from qllama.study.ladder import SETTINGS, ladder_study
 
@@ -67,6 +71,7 @@ def study(
         f32_path=f32,
     )
     matrix = os.fspath(imatrix) if imatrix is not None else None
+    written = {name: os.path.abspath(path) for name, path in (files or {}).items()}
     suffix = "-imatrix" if matrix else ""
     variants = [Variant("F32")]
     variants += [Variant(r.type, r.type + suffix, imatrix=matrix) for r in rungs if not r.reason]
@@ -76,6 +81,7 @@ def study(
             recipe_name(r),
             imatrix=matrix,
             tensor_types=tuple(r.tensor_types()),
+            file=written.get(recipe_name(r)),
         )
         for r in recipes
     ]

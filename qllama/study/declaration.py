@@ -49,7 +49,9 @@ class Variant:
     llama-quantize ``--imatrix`` does, and the matrix's hash is part of the file's name.
     ``tensor_types`` are llama-quantize ``--tensor-type`` overrides (``NAME=TYPE``, as
     :meth:`qllama.gguf.quantizer.Overrides.parse` reads them), a recipe's per-tensor choices
-    over the type's mixture; their hash is part of the file's name too.
+    over the type's mixture; their hash is part of the file's name too. ``file`` names a file
+    already made that way (a recipe's, which ``qllama recipe`` wrote; a relative path is the
+    declaration folder's): it is measured as it is, not built again.
     """
 
     type: str
@@ -59,6 +61,7 @@ class Variant:
     imatrix_chunks: int | None = None  # of imatrix_corpus, 512 tokens each (default: all)
     imatrix_skip_chunks: int = 0  # of imatrix_corpus, skipped first
     tensor_types: tuple[str, ...] = ()
+    file: str | None = None
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -587,9 +590,11 @@ def from_dict(doc: Mapping[str, Any], folder: Path = Path(".")) -> Study:
 
 
 def _variant(kw: dict[str, Any], folder: Path) -> Variant:
-    """A variant, its imatrix file or corpus file relative to the declaration's folder."""
-    if kw.get("imatrix") and not Path(kw["imatrix"]).is_absolute():
-        kw["imatrix"] = str(folder / kw["imatrix"])
+    """A variant, its imatrix file, corpus file or own file relative to the declaration's
+    folder."""
+    for key in ("imatrix", "file"):
+        if kw.get(key) and not Path(kw[key]).is_absolute():
+            kw[key] = str(folder / kw[key])
     corpus = kw.get("imatrix_corpus")
     if corpus and not corpus.startswith("corpus:") and not Path(corpus).is_absolute():
         kw["imatrix_corpus"] = str(folder / corpus)

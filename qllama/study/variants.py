@@ -55,11 +55,17 @@ def _from_path(source: Path, label: str, cache: str | os.PathLike[str] | None) -
 def build(
     source: str | Path, variant: Variant, *, cache: str | os.PathLike[str] | None = None
 ) -> VariantFile:
-    """Build (or find in the cache) the file of ``variant`` from the model ``source``."""
+    """Build (or find in the cache) the file of ``variant`` from the model ``source``; a
+    variant that names its ``file`` is that file."""
     from qllama.gguf.quantizer import file_type
     from qllama.model_files import fetch
     from qllama.model_files import variant as named_variant
 
+    if variant.file is not None:
+        path = Path(variant.file)
+        if not path.is_file():
+            raise StudyError(f"variant {variant.name!r}: no file {path} on this machine")
+        return VariantFile(variant, str(path), file_sha256(path))
     if variant.imatrix or variant.imatrix_corpus or variant.tensor_types:
         return _quantized_from_f32(source, variant, cache)
     if variant.type == "source":

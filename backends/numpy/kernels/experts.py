@@ -102,44 +102,68 @@ def mmid_legacy(buf, offs, n, x, src, dst, bounds, simd, threads, out, fmt):
                         )
 
 
+def _row_by_row(activations: Any, row: Any) -> Any:
+    """The driver of the formats computed a weight row at a time (the K-quants, IQ4_XS): as
+    :func:`mmid_legacy`, each thread takes a share of every selected expert's rows, a row at
+    a time. The format's part, inlined: ``activations(x, fmt)`` quantizes every row of ``x``
+    once, to a tuple ``acts`` (the bytes of a weight row first, then what ``row`` reads);
+    ``row(buf, w, acts, t, out, o, fmt)`` writes the product of the weight row at byte ``w``
+    with row ``t`` of ``x`` to ``out[o]``.
+
+    numba resolves the closure's kernels when it compiles the format's driver
+    (:func:`_kernel`), which inlines this one; that driver alone is cached, keyed by its own
+    closure's ints (:func:`qllama.jit.named_kernel`). :func:`mmid_legacy` keeps a nest of its
+    own: fed through this one (a step of four rows, then the rest), Q4_0 and Q5_1 decoded 2-3%
+    slower (one thread, CPU time), the machine code laid out otherwise."""
+
+    @njit(**INLINE)
+    def mmid(buf, offs, n, x, src, dst, bounds, simd, threads, out, fmt):
+        acts = activations(x, fmt)  # every row once
+        rb = acts[0]
+        for c in prange(threads):
+            r0, r1 = _chunk(n, threads, c)
+            for e in range(offs.shape[0]):
+                for r in range(r0, r1):
+                    w = offs[e] + r * rb
+                    for j in range(bounds[e], bounds[e + 1]):
+                        row(buf, w, acts, src[j], out, dst[j] * n + r, fmt)
+
+    return mmid
+
+
 @njit(**INLINE)
-def mmid_kquant(buf, offs, n, x, src, dst, bounds, simd, threads, out, fmt):
-    """As :func:`mmid_legacy`, for the K-quants (Q8_K activations), a row at a time."""
+def _kquant_activations(x, fmt):
+    """Q8_K rows, each 64 codes in :data:`~qllama.backends.numpy.kernels.gemv.LANE_ORDER`,
+    with the block sums the format's mins take (Q2_K's per 16, the others' per 32)."""
+    xl, dx, bs16, bs32 = q8k_activations(x)
     k = x.shape[1]
-    nb = k // 256
-    rb = nb * SIZES[fmt]
-    xl, dx, bs16, bs32 = q8k_activations(x)  # every row once
-    bs = bs16 if fmt == Q2_K else bs32  # Q2_K's mins: per 16
     per = k // 16 if fmt == Q2_K else k // 32
-    for c in prange(threads):
-        r0, r1 = _chunk(n, threads, c)
-        for e in range(offs.shape[0]):
-            for r in range(r0, r1):
-                w = offs[e] + r * rb
-                for j in range(bounds[e], bounds[e + 1]):
-                    t = src[j]
-                    out[dst[j] * n + r] = _kquant_dot(
-                        buf, w, nb, xl, t * k, bs, t * per, dx[t], fmt
-                    )
+    return k // 256 * SIZES[fmt], xl, dx, bs16 if fmt == Q2_K else bs32, per, k
 
 
 @njit(**INLINE)
-def mmid_iq4xs(buf, offs, n, x, src, dst, bounds, simd, threads, out, fmt):
-    """As :func:`mmid_legacy`, for IQ4_XS (Q8_K activations), a row at a time."""
+def _kquant_row(buf, w, acts, t, out, o, fmt):
+    _, xl, dx, bs, per, k = acts
+    out[o] = _kquant_dot(buf, w, k // 256, xl, t * k, bs, t * per, dx[t], fmt)
+
+
+@njit(**INLINE)
+def _iq4xs_activations(x, fmt):
+    """Q8_K rows, codes in order, with 128 times each 32 codes' sum."""
+    xq, dx, cx = q8k_plain(x)
     k = x.shape[1]
+    return k // 256 * IQ4_XS_SIZE, xq, dx, cx, k
+
+
+@njit(**INLINE)
+def _iq4xs_row(buf, w, acts, t, out, o, fmt):
+    _, xq, dx, cx, k = acts
     nb = k // 256
-    rb = nb * IQ4_XS_SIZE
-    xq, dx, cx = q8k_plain(x)  # every row once
-    for c in prange(threads):
-        r0, r1 = _chunk(n, threads, c)
-        for e in range(offs.shape[0]):
-            for r in range(r0, r1):
-                w = offs[e] + r * rb
-                for j in range(bounds[e], bounds[e + 1]):
-                    t = src[j]
-                    iq4xs_row(
-                        buf, w, nb, xq, t * k, cx, t * k // 32, dx, t * nb, out, dst[j] * n + r
-                    )
+    iq4xs_row(buf, w, nb, xq, t * k, cx, t * k // 32, dx, t * nb, out, o)
+
+
+mmid_kquant = _row_by_row(_kquant_activations, _kquant_row)
+mmid_iq4xs = _row_by_row(_iq4xs_activations, _iq4xs_row)
 
 
 @njit(**INLINE)
