@@ -23,7 +23,7 @@ sums the block: the 256-bit halves added (e_i + e_{i+8}), then their 128-bit hal
 (t_i + t_{i+4}), then lanes 0+2 and 1+3, then those two. Both send |n| > 192 to 0 or inf.
 ``simd=False`` is ggml's scalar loop alone (the reference C code, what
 ``activation_rounding="ref"`` stands for). Rows shorter than the build's width are the
-scalar loop in every build (the tiny test models' 4 experts).
+scalar loop in both builds (the tiny test models' 4 experts).
 
 sum_rows: each row's values added in order into a double (``ggml_float``), cast to float
 at the end. numpy's float64 ``sum`` is pairwise from 8 values on, so the loop is written out.
