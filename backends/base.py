@@ -11,8 +11,9 @@ the router chose for it), the backend's own ``expert_matmul`` where its class ha
 attention) is array-API code run on ``backend.xp``, attention a block of queries at a time
 (``attention_bytes``, optional too), its scores by :func:`attention_scores` (the backend's
 optional ``attention_scores(q, k)``, else ``q @ k^T``). A backend may compute some of that glue
-itself, with the same numbers in fewer dispatches: :func:`glue` hands the model the backend's
-form of an op of :data:`GLUE_OPS` where it offers one.
+itself: :func:`glue` hands the model the backend's form of an op of :data:`GLUE_OPS` where it
+offers one, with the same numbers as the array-API form in fewer dispatches, or, for a
+mixture's router ops, with the numbers of its arithmetic (the CPU arithmetic: ggml's).
 """
 
 from __future__ import annotations
@@ -109,8 +110,13 @@ def attention_scores(backend: Backend, q: Any, k: Any) -> Any:
 # scale + mask) over the last axis, terms below scores.NEGLIGIBLE dropped; attention(q, k, v,
 # mask, scale): queries (t, n_head, hd) over a KV head's cached keys (n_kv, S, hd) and values
 # (n_kv, S, hd_v), query head h reading KV head h // (n_head / n_kv), scores by
-# attention_scores, then masked_softmax, then P V: (t, n_head * hd_v)
-GLUE_OPS = ("rms_norm", "rope", "swiglu", "masked_softmax", "attention")
+# attention_scores, then masked_softmax, then P V: (t, n_head * hd_v).
+# Then a mixture's router ops, ggml's as llama.cpp's build_moe_ffn calls them, with the
+# numbers of the backend's arithmetic (the CPU one: ggml's CPU ops bit for bit), else of
+# the array-API form: soft_max(x) over the last axis of x (T, n), no scale, no mask
+# (router_softmax: exp(x - max) times the reciprocal of the sum); sum_rows(x), x (T, k) ->
+# (T, 1) (row_sum: the namespace's float32 sum; ggml's CPU adds in order in double)
+GLUE_OPS = ("rms_norm", "rope", "swiglu", "masked_softmax", "attention", "soft_max", "sum_rows")
 
 
 def glue(backend: Backend, op: str) -> Callable[..., Any] | None:
@@ -216,15 +222,10 @@ def router_softmax(x: Any, *, xp: Any) -> Any:
     return e * (1.0 / xp.sum(e, axis=-1, keepdims=True))
 
 
-def soft_max(backend: Backend, x: Any) -> Any:
-    """ggml's ``soft_max`` over the last axis of ``x`` (T, n), as a mixture's router uses it
-    (no scale, no mask): the backend's ``soft_max`` where its class has one (the numpy
-    backend's CPU arithmetic: ggml's exps and double sum, bit for bit), else
-    :func:`router_softmax`."""
-    own = getattr(type(backend), "soft_max", None)
-    if own is not None:
-        return own(backend, x)
-    return router_softmax(x, xp=backend.xp)
+def row_sum(x: Any, *, xp: Any) -> Any:
+    """ggml's ``sum_rows`` in the array API: each row of ``x`` (T, k) summed in the namespace's
+    float32 order, (T, 1)."""
+    return xp.sum(x, axis=-1, keepdims=True)
 
 
 def check_supported(backend: Backend, tensor: QuantTensor, types: frozenset[GGMLType]) -> None:

@@ -332,8 +332,11 @@ def oracle_moe(m: Any, x: np.ndarray, i: int) -> np.ndarray:
         else:  # its insertion sort: equal values in index order
             order = sorted(range(c.n_expert), key=lambda j: (-probs[j], j))[: c.n_expert_used]
         w = probs[order] if softmax_first else softmax(probs[order])
-        if c.expert_weights_norm:
-            w = w / max(w.sum(), np.float32(MIN_WEIGHT_SUM))
+        if c.expert_weights_norm:  # ggml's sum_rows: in order, in double, then float
+            total = 0.0
+            for val in w.tolist():
+                total += val
+            w = w / max(np.float32(total), np.float32(MIN_WEIGHT_SUM))
         acc = None
         for s, j in enumerate(order):
             row = x[t : t + 1]
@@ -368,6 +371,27 @@ def test_the_batched_block_equals_the_oracle_bit_for_bit(
     for i in range(m.config.n_layer):
         got = m._moe(x, m.weights.layers[i], i)
         np.testing.assert_array_equal(got, oracle_moe(m, x, i))
+
+
+def test_the_top_k_weights_are_summed_as_ggml(tmp_path: Path) -> None:
+    """qwen3moe's k = 8 weights normalised by ggml's sum_rows (in order, in double): the block
+    equals the oracle bit for bit, on tokens where a float32 sum would weigh them otherwise."""
+    path = tmp_path / "k8.gguf"
+    cfg = dataclasses.replace(FAMILIES["qwen3moe"], n_expert=16, n_expert_used=8)
+    write_tiny(path, dataclasses.replace(cfg, weight_type="Q8_0"))
+    m = qllama.load(path, backend="numpy")  # the CPU arithmetic
+    x = np.random.default_rng(6).standard_normal((32, m.config.n_embd)).astype(np.float32)
+    single_differs = False
+    for i, layer in enumerate(m.weights.layers):
+        probs = m.gate_softmax(to_numpy(m.backend.matmul(x, layer.ffn_gate_inp)))
+        selected = top_k(probs, 8, xp=np)
+        ggml = expert_weights(
+            probs, selected, Gating.SOFTMAX, True, 0.0, xp=np, sum_rows=m.gate_sum
+        )
+        single = expert_weights(probs, selected, Gating.SOFTMAX, True, 0.0, xp=np)
+        single_differs |= not np.array_equal(ggml, single)
+        np.testing.assert_array_equal(m._moe(x, layer, i), oracle_moe(m, x, i))
+    assert single_differs, "no token whose float32 weight sum differs: the test cannot fail"
 
 
 # --- every backend, the same model ------------------------------------------------------------

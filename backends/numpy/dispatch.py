@@ -6,8 +6,12 @@ This module holds the backend: its options, the weights it keeps (the file's byt
 choice of kernel for each product.
 
 Options: ``activations="q8"`` (the CPU arithmetic) or ``"f32"`` (the GPU arithmetic on numpy:
-float32 activations times the dequantized weight), ``activation_rounding``, and
-``dequantize_all`` (weights widened to float32 once, at load; plain float32 matmuls).
+float32 activations times the dequantized weight), ``activation_rounding``, ``simd_width``
+and ``dequantize_all`` (weights widened to float32 once, at load; plain float32 matmuls).
+``simd_width`` names the float SIMD width of the llama.cpp build the CPU arithmetic stands
+for under ``activation_rounding="simd"``: 8 (AVX2, the default) or 16 (AVX-512F with DQ), the
+blocks of the router's softmax (:mod:`qllama.backends.numpy.router`); under ``"ref"`` the
+scalar loop runs whatever the width.
 
 ``kernels="numba"`` (the default when numba is installed) computes the ``q8`` arithmetic with the
 compiled kernels of :mod:`qllama.backends.numpy.kernels.matmul`: the same float32 values, bit for
@@ -45,10 +49,9 @@ from qllama.backends.base import (
     group_pairs,
     grouped_expert_matmul,
     require_device,
-    router_softmax,
 )
+from qllama.backends.numpy import router
 from qllama.backends.numpy.oracle import Activations, WeightBlocks, vec_dot
-from qllama.backends.numpy.softmax import soft_max as ggml_soft_max
 from qllama.errors import BackendError, TensorShapeError
 from qllama.ggml_types import GGMLType
 from qllama.quants.base import Fields, QuantType, Rounding
@@ -58,6 +61,7 @@ F32 = np.float32
 ACTIVATIONS = ("q8", "f32")
 ROUNDINGS = ("ref", "simd")
 KERNELS = ("numba", "numpy")
+ROUTER_OPS = ("soft_max", "sum_rows")  # glue ops of ggml's CPU arithmetic, not of numpy's
 FLOAT_DOT_TYPES = ("F32", "F16", "BF16")  # vec_dot types of the float weight formats
 
 # ggml has no CPU vec_dot for weights stored in its activation formats
@@ -285,6 +289,7 @@ class NumpyBackend(ArrayBackend):
         dequantize_all: bool = False,
         activations: str = "q8",
         activation_rounding: Rounding = "ref",
+        simd_width: int = 8,
         work_bytes: int = 64 << 20,
         kernels: str | None = None,
         threads: int | None = None,
@@ -294,7 +299,7 @@ class NumpyBackend(ArrayBackend):
         if options:
             raise BackendError(
                 f"backend numpy has no options {sorted(options)}; it takes activations, "
-                "activation_rounding, work_bytes, kernels, threads and blas_threads"
+                "activation_rounding, simd_width, work_bytes, kernels, threads and blas_threads"
             )
         if kernels is None:
             kernels = "numba" if kernels_available() else "numpy"
@@ -319,6 +324,11 @@ class NumpyBackend(ArrayBackend):
                 f"backend numpy: activation_rounding must be one of {ROUNDINGS}, "
                 f"not {activation_rounding!r}"
             )
+        if simd_width not in router.SIMD:
+            raise BackendError(
+                f"backend numpy: simd_width must be one of {tuple(router.SIMD)} (a llama.cpp "
+                f"build's float lanes: 8 AVX2, 16 AVX-512), not {simd_width!r}"
+            )
         if work_bytes < 1:
             raise BackendError(f"backend numpy: work_bytes must be positive, not {work_bytes}")
         super().__init__(
@@ -328,6 +338,7 @@ class NumpyBackend(ArrayBackend):
         )
         self.activations = activations
         self.activation_rounding = activation_rounding
+        self.simd_width = simd_width
         self.work_bytes = work_bytes
         self.kernels = kernels
         self.threads = threads
@@ -388,14 +399,6 @@ class NumpyBackend(ArrayBackend):
             return self._matmul_f32(x, w)
         return self._matmul_q8(x, w)
 
-    def soft_max(self, x: Any) -> Any:
-        """A router's softmax (T, n): ggml's CPU op bit for bit in the CPU arithmetic (its
-        8-lane AVX2 blocks under ``activation_rounding="simd"``, its scalar loop under
-        ``"ref"``: :mod:`qllama.backends.numpy.softmax`), the array-API form otherwise."""
-        if not self._q8:
-            return router_softmax(x, xp=self.xp)
-        return ggml_soft_max(x, simd=self.activation_rounding == "simd")
-
     def attention_scores(self, q: np.ndarray, k: np.ndarray) -> np.ndarray:
         """``q @ k^T`` per KV head (:func:`~qllama.backends.base.attention_scores`), for a
         decode step's few query rows as ``(k @ q^T)^T`` where those are the same bits
@@ -406,8 +409,12 @@ class NumpyBackend(ArrayBackend):
         return np.ascontiguousarray(np.matmul(k, q.transpose(0, 2, 1)).transpose(0, 2, 1))
 
     def glue(self, op: str) -> Callable[..., Any] | None:
-        """The compiled form of the model's glue op ``op`` (:func:`~qllama.backends.base.glue`):
-        with the numba kernels, where they give this numpy's bits (``glue_exact``); else None."""
+        """This backend's form of the model's glue op ``op`` (:func:`~qllama.backends.base.glue`):
+        in the CPU arithmetic the router's ops as ggml's CPU computes them (numpy code, with or
+        without the kernels); the compiled form of the others with the numba kernels, where
+        they give this numpy's bits (``glue_exact``); else None."""
+        if op in ROUTER_OPS:
+            return self._router_ops().get(op)
         if self.kernels != "numba":
             return None
         from qllama.backends.numpy import glue
@@ -417,6 +424,18 @@ class NumpyBackend(ArrayBackend):
         if op in glue.WITH_BACKEND:
             return functools.partial(glue.WITH_BACKEND[op], self)
         return glue.OPS.get(op)
+
+    def _router_ops(self) -> dict[str, Callable[..., Any]]:
+        """ggml's CPU ``soft_max`` (its scalar loop under ``activation_rounding="ref"``, the
+        ``simd_width`` build's blocks under ``"simd"``) and ``sum_rows``, in the CPU
+        arithmetic; none in the others (the model's array-API forms)."""
+        if not self._q8:
+            return {}
+        simd = self.activation_rounding == "simd"
+        return {
+            "soft_max": functools.partial(router.soft_max, simd=simd, width=self.simd_width),
+            "sum_rows": router.sum_rows,
+        }
 
     def embedding(self, ids: Any, w: Packed | Dense) -> Any:  # type: ignore[override]
         if isinstance(w, Dense):

@@ -5,9 +5,9 @@ experts, and how much of its logit error follows from the experts it picks other
 (:mod:`qllama.runtime.observe`) into what the model does with them, through the model's own
 functions (:func:`~qllama.runtime.model.router_gate`, :func:`~qllama.runtime.model.select_experts`,
 :func:`~qllama.runtime.model.expert_weights`): the gated values, each token's k experts best
-first (in llama.cpp's tie order) and their weights. Given the run's backend
-(:func:`~qllama.backends.base.soft_max`: under the CPU arithmetic ggml's exps and double sum)
-this is the selection the forward pass made, bit for bit.
+first (in llama.cpp's tie order) and their weights. Given the run's backend (its router ops,
+:func:`~qllama.backends.base.glue`'s ``soft_max`` and ``sum_rows``: under the CPU arithmetic
+ggml's exps and double sums) this is the selection the forward pass made, bit for bit.
 
 **Agreement**, per (layer, token) of two runs of the same tokens (:func:`agreement`):
 
@@ -37,24 +37,33 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
 
 from qllama.array_api import namespace, to_numpy
-from qllama.backends.base import soft_max
+from qllama.backends.base import glue, router_softmax, row_sum
 from qllama.errors import QllamaError
 from qllama.measure.metrics import log_softmax
 from qllama.runtime.config import ModelConfig
 from qllama.runtime.model import expert_weights, router_gate, select_experts
 from qllama.runtime.observe import LOGITS, Trace, block_name, record, split_name
 
+# the router's ops in the array API, where a backend has no glue op of its own
+ROUTER_FORMS = {"soft_max": router_softmax, "sum_rows": row_sum}
 
-def _numpy_soft_max(backend: Any, x: np.ndarray) -> np.ndarray:
-    """``backend``'s router softmax of the numpy rows ``x``, back as numpy."""
-    return np.asarray(to_numpy(soft_max(backend, backend.asarray(x))), np.float32)
+
+def _on_numpy(backend: Any, op: str) -> Callable[[np.ndarray], np.ndarray]:
+    """``backend``'s router op ``op`` (its glue op, else the array-API form on its namespace)
+    taking and giving numpy rows."""
+    own = glue(backend, op) or functools.partial(ROUTER_FORMS[op], xp=backend.xp)
+
+    def run(x: np.ndarray) -> np.ndarray:
+        return np.asarray(to_numpy(own(backend.asarray(x))), np.float32)
+
+    return run
 
 
 @dataclass(frozen=True)
@@ -68,7 +77,8 @@ class Routing:
     @classmethod
     def of(cls, logits: np.ndarray, config: ModelConfig, backend: Any = None) -> Routing:
         """The routing of router logits ``(L, T, n_expert)`` as ``config``'s model routes on
-        ``backend`` (the router's softmax is the backend's; without one, the array-API form)."""
+        ``backend`` (the router's softmax and weight sum are the backend's; without one, the
+        array-API forms)."""
         e = config.features.experts
         if e is None or config.n_expert == 0:
             raise QllamaError(f"a {config.arch} model without experts has no routing")
@@ -79,10 +89,10 @@ class Routing:
                 f"{config.n_expert})"
             )
         xp = namespace("numpy")
-        softmax = None if backend is None else functools.partial(_numpy_soft_max, backend)
+        ops = {op: None if backend is None else _on_numpy(backend, op) for op in ROUTER_FORMS}
         gated, selected, weights = [], [], []
         for layer in logits:  # (T, n_expert)
-            g = router_gate(layer, e.gating, xp=xp, softmax=softmax)
+            g = router_gate(layer, e.gating, xp=xp, softmax=ops["soft_max"])
             s = select_experts(g, config.n_expert_used, xp=xp, asarray=np.asarray)
             w = expert_weights(
                 g,
@@ -91,7 +101,8 @@ class Routing:
                 config.expert_weights_norm,
                 config.expert_weights_scale,
                 xp=xp,
-                softmax=softmax,
+                softmax=ops["soft_max"],
+                sum_rows=ops["sum_rows"],
             )
             gated.append(g)
             selected.append(np.asarray(s, np.int64))

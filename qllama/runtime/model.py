@@ -38,7 +38,7 @@ from qllama.backends.base import (
     glue,
     matmuls,
     router_softmax,
-    soft_max,
+    row_sum,
 )
 from qllama.errors import (
     BackendError,
@@ -263,9 +263,9 @@ def router_gate(
     softmax: Callable[[Array], Array] | None = None,
 ) -> Array:
     """The gated values the experts are selected on (T, n_expert): the router softmax of the
-    logits (``softmax``, a backend's :func:`~qllama.backends.base.soft_max`, else
-    :func:`router_softmax`), or the logits themselves where the weights are a softmax over the
-    selected ones (SOFTMAX_WEIGHT)."""
+    logits (``softmax``: a backend's glue op ``soft_max``, else :func:`router_softmax`), or
+    the logits themselves where the weights are a softmax over the selected ones
+    (SOFTMAX_WEIGHT)."""
     if gating != Gating.SOFTMAX:
         return logits
     return softmax(logits) if softmax is not None else router_softmax(logits, xp=xp)
@@ -299,16 +299,18 @@ def expert_weights(
     *,
     xp: Namespace,
     softmax: Callable[[Array], Array] | None = None,
+    sum_rows: Callable[[Array], Array] | None = None,
 ) -> Array:
     """The weight of each token's selected experts (T, k), as build_moe_ffn computes it: the
     gated values of the selected experts (a softmax over the k selected logits under
-    SOFTMAX_WEIGHT: ``softmax``, else :func:`router_softmax`), divided by their sum (at least
+    SOFTMAX_WEIGHT: ``softmax``, else :func:`router_softmax`), divided by their sum
+    (``sum_rows``: a backend's glue op, ggml's ``sum_rows``, else :func:`row_sum`; at least
     2^-14) if ``norm``, times ``scale`` unless it is 0 or 1."""
     w = gather_rows(probs, selected, xp=xp)  # (T, k)
     if gating == Gating.SOFTMAX_WEIGHT:
         w = softmax(w) if softmax is not None else router_softmax(w, xp=xp)
     if norm:
-        total = xp.sum(w, axis=-1, keepdims=True)  # (T, 1)
+        total = sum_rows(w) if sum_rows is not None else row_sum(w, xp=xp)  # (T, 1)
         w = w / xp.where(total < MIN_WEIGHT_SUM, MIN_WEIGHT_SUM, total)
     if scale not in (0.0, 1.0):
         w = w * scale
@@ -396,7 +398,8 @@ class Model:
 
     def _glue(self, backend: Backend) -> None:
         """The non-product ops of a block: the backend's own forms where it has them (the same
-        numbers, in fewer dispatches: :func:`qllama.backends.base.glue`), else array-API code."""
+        numbers, in fewer dispatches; a router's ops with its arithmetic's numbers:
+        :func:`qllama.backends.base.glue`), else array-API code."""
         xp, f = self.xp, self.features
         self.rms_norm = glue(backend, "rms_norm") or functools.partial(rms_norm, xp=xp)
         pairs = glue(backend, "rope") if f.rope == RopeLayout.ADJACENT else None
@@ -407,8 +410,9 @@ class Model:
             masked_softmax, xp=xp
         )
         self.attention = glue(backend, "attention") or self._attention_xp
-        # a router's softmax: ggml's exps and double sum under the CPU arithmetic
-        self.gate_softmax = functools.partial(soft_max, backend)
+        # a router's softmax and weight sum: under the CPU arithmetic ggml's exps and double sums
+        self.gate_softmax = glue(backend, "soft_max") or functools.partial(router_softmax, xp=xp)
+        self.gate_sum = glue(backend, "sum_rows") or functools.partial(row_sum, xp=xp)
 
     def forward(
         self,
@@ -857,6 +861,7 @@ class Model:
             c.expert_weights_scale,
             xp=xp,
             softmax=self.gate_softmax,
+            sum_rows=self.gate_sum,
         )  # (T, k)
         flat = xp.reshape(selected, (-1,))  # (T*k,) for the experts' biases
         up = self._experts(x, layer.ffn_up_exps, layer.ffn_up_exps_bias, selected, flat)
