@@ -445,7 +445,7 @@ class Model:
         :mod:`qllama.runtime.observe` as they are computed; without one nothing extra is done.
         """
         tokens = self.backend.asarray(self._check_ids(ids, pos, self.cache))
-        if self._compiled(tokens.shape[0], observer):
+        if self.compiled_step is not None and self._compiled(tokens.shape[0], observer):
             self.cache.reset(pos)
             logits = self.compiled_step(tokens, self.cache.slots[:1] + pos)  # (1, vocab)
             self.cache.length = pos + 1
@@ -471,16 +471,10 @@ class Model:
         return self._logits(self._hidden(tokens, where, [Segment(self.cache, where, 0, 1, masks)]))
 
     def _compiled(self, n: int, observer: Observer | None) -> bool:
-        """Whether a pass of ``n`` tokens on the model's cache runs the compiled step: one
+        """Whether a pass of ``n`` tokens on the model's cache may run the compiled step: one
         token on the cache it was compiled for (not one swapped in, as qllama.hf's rows), and
         nothing that looks inside the pass (an observer, the trace of non-finite values)."""
-        return (
-            self.compiled_step is not None
-            and n == 1
-            and self.cache.fixed
-            and observer is None
-            and not self.trace_nonfinite
-        )
+        return n == 1 and self.cache.fixed and observer is None and not self.trace_nonfinite
 
     def new_cache(self) -> KVCache:
         """An empty KV cache shaped for this model (one per sequence of :meth:`forward_batch`)."""
