@@ -1,8 +1,9 @@
 """The torch backend's compiled decode step (``compile=True``): the same model as the eager
 one, compiled once, refused where it has no meaning; and the fixed KV cache it runs on.
 
-Compiling is checked on the CPU (inductor's C++ kernels, the default mode); on CUDA the same
-step runs as a CUDA graph (``benchmarks/gpu_check.py`` on a lent GPU, docs/gpu.md).
+The compiled step runs on the best device here: on a CPU inductor's C++ kernels (the default
+mode), on CUDA a CUDA graph, which must then be recorded, not skipped (docs/gpu.md; run there
+with ``benchmarks/gpu_check.py``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ from qllama.synthetic import write_tiny
 
 torch = pytest.importorskip("torch")
 from torch._dynamo.utils import counters  # noqa: E402
+
+from qllama.backends.torch import devices  # noqa: E402
+
+DEVICE = devices()[0]  # the compiled step's tests: CUDA graphs where there is CUDA
 
 PROMPT = [1, 40, 77, 200, 5]
 NEW = 12  # decode steps: past gemma2's window of 4
@@ -143,14 +148,16 @@ def test_compiled_decode_is_the_eager_model(tmp_path: Path, family: str) -> None
     same fixed cache, what the first left behind masked) compile nothing more."""
     path = tmp_path / f"{family}.gguf"
     write_tiny(path, COMPILED[family])
-    eager = qllama.load(path, backend="torch", device="cpu")
-    compiled = qllama.load(path, backend="torch", device="cpu", compile=True)
+    eager = qllama.load(path, backend="torch", device=DEVICE)
+    compiled = qllama.load(path, backend="torch", device=DEVICE, compile=True)
     want = eager.generate(PROMPT, max_new_tokens=NEW).ids
 
     graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+    skips = counters["inductor"]["cudagraph_skips"]
     got = compiled.generate(PROMPT, max_new_tokens=NEW).ids
     assert counters["stats"]["unique_graphs"] - graphs == 1  # the step, once
     assert sum(counters["graph_break"].values()) == breaks  # in one piece
+    assert counters["inductor"]["cudagraph_skips"] == skips  # on CUDA, a CUDA graph
 
     # teacher forcing along the eager path: both models see the same tokens
     e, c = eager.forward(PROMPT), compiled.forward(PROMPT)  # prefill: eager in both
@@ -174,8 +181,8 @@ def test_compiled_step_is_bypassed_where_it_cannot_serve(tmp_path: Path) -> None
     the eager pass; with the compiled step in between, a sequence stays one sequence."""
     path = tmp_path / "llama.gguf"
     write_tiny(path, FAMILIES["llama"])
-    eager = qllama.load(path, backend="torch", device="cpu")
-    compiled = qllama.load(path, backend="torch", device="cpu", compile=True)
+    eager = qllama.load(path, backend="torch", device=DEVICE)
+    compiled = qllama.load(path, backend="torch", device=DEVICE, compile=True)
     seen: list[str] = []
     want = to_numpy(eager.forward([*PROMPT, 9, 10], all_logits=True))  # (7, vocab)
     compiled.forward(PROMPT)
