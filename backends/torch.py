@@ -47,7 +47,9 @@ class TorchBackend(ArrayBackend):
         **options: Any,
     ) -> None:
         if options:
-            raise BackendError(f"backend torch has no options {sorted(options)}; it takes compile")
+            raise BackendError(
+                f"backend torch takes no options {sorted(options)}; its one option is compile"
+            )
         if not isinstance(compile, bool):
             raise BackendError(f"backend torch: compile must be true or false, not {compile!r}")
         self.compile = compile
@@ -121,11 +123,15 @@ def tensors(root: Any) -> list[torch.Tensor]:
     """Every torch tensor reachable from ``root`` through dataclasses, lists, tuples and
     dicts (the model's weights and cache), each once."""
     found: dict[int, torch.Tensor] = {}
+    seen: set[int] = set()
     todo = [root]
     while todo:
         x = todo.pop()
+        if id(x) in seen:
+            continue
+        seen.add(id(x))
         if isinstance(x, torch.Tensor):
-            found.setdefault(id(x), x)
+            found[id(x)] = x
         elif isinstance(x, list | tuple):
             todo.extend(x)
         elif isinstance(x, dict):

@@ -27,7 +27,7 @@ from qllama.synthetic import write_tiny
 torch = pytest.importorskip("torch")
 from torch._dynamo.utils import counters  # noqa: E402
 
-from qllama.backends.torch import devices  # noqa: E402
+from qllama.backends.torch import devices, tensors  # noqa: E402
 
 DEVICE = devices()[0]  # the compiled step's tests: CUDA graphs where there is CUDA
 
@@ -65,7 +65,7 @@ def bound(m: Any, logits: np.ndarray, positions: int) -> float:
         ("numpy", {"compile": True}, "compile"),
         ("torch", {"compile": "yes"}, "compile must be true or false"),
         ("torch", {"compile": 1}, "compile must be true or false"),
-        ("torch", {"compiled": True}, "it takes compile"),
+        ("torch", {"compiled": True}, "takes no options .'compiled'.; its one option is compile"),
     ],
 )
 def test_bad_compile_options_are_refused(
@@ -193,3 +193,7 @@ def test_compiled_step_is_bypassed_where_it_cannot_serve(tmp_path: Path) -> None
     np.testing.assert_allclose(step[0], want[5], rtol=0, atol=tol)
     np.testing.assert_allclose(observed, want[6], rtol=0, atol=tol)
     assert compiled.cache.length == 7
+    # what CUDA graphs need: the arrays the step reads in place are marked static
+    static = tensors(compiled._persistent())
+    assert {id(compiled.cache.k[0]), id(compiled.weights.output_norm)} <= {id(t) for t in static}
+    assert all(getattr(t, "_dynamo_static_input_type", None) == "unguarded" for t in static)
