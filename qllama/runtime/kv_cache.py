@@ -6,7 +6,10 @@ torch); elsewhere with ``take`` and ``where`` (jax and array-api-strict have no 
 update, and a Python slice at a moving position would make jax compile again). Both store
 the same values. Array shapes therefore change only when the capacity grows, so jax compiles
 each operation a handful of times rather than once per token. Attention runs over the whole
-capacity; the causal mask hides the positions not yet written.
+capacity; the causal mask hides the positions not yet written. A cache may be fixed
+(:meth:`KVCache.fix`): allocated once for the whole context and kept across sequences, as a
+compiled decode step needs it (its shapes and addresses then never change); its rows may then
+be written at positions given as an array, data rather than a constant of the compiled graph.
 
 candle keeps the cache and attention in float32. llama.cpp's default cache is f16, so its
 K and V are rounded to half when stored. Without flash attention its KQ and KQV products
@@ -27,6 +30,7 @@ arithmetic); other backends refuse it.
 from __future__ import annotations
 
 import copy
+from numbers import Integral
 from typing import Any
 
 from array_api_compat import is_numpy_namespace, is_torch_namespace
@@ -103,10 +107,18 @@ class KVCache:
         self.v: list[Any] = [None] * n_layer
         self.capacity = 0
         self.length = 0  # positions holding valid keys and values
+        self.fixed = False  # allocated once (fix): reset keeps the arrays
+
+    def fix(self, n: int) -> None:
+        """Allocate room for ``n`` positions now and keep these arrays from then on: a new
+        sequence reuses them (the mask hides what an earlier one left), so that a compiled
+        step finds the same shapes at the same addresses at every call."""
+        self.reserve(n)
+        self.fixed = True
 
     def reset(self, length: int = 0) -> None:
         """Keep positions ``< length`` (0: forget everything, a new sequence)."""
-        if length == 0:
+        if length == 0 and not self.fixed:
             self.k = [None] * len(self.k)
             self.v = [None] * len(self.v)
             self.k_raw = [None] * len(self.k)
@@ -166,9 +178,10 @@ class KVCache:
             return x
         return self.xp.astype(self.xp.astype(x, self._half), self.xp.float32)
 
-    def update(self, layer: int, pos: int, k: Any, v: Any) -> tuple[Any, Any]:
+    def update(self, layer: int, pos: int | Any, k: Any, v: Any) -> tuple[Any, Any]:
         """Write this step's ``(T, n_head_kv, head_dim)`` keys and ``(T, n_head_kv,
-        head_dim_v)`` values at ``pos``; return the layer's whole cache, ``(n_head_kv,
+        head_dim_v)`` values at ``pos`` (the first row's position; or, in place, an integer
+        array ``(T,)`` of the rows' positions); return the layer's whole cache, ``(n_head_kv,
         capacity, head_dim)`` and ``(n_head_kv, capacity, head_dim_v)``."""
         xp, T = self.xp, k.shape[0]
         if self.typed:
@@ -180,9 +193,13 @@ class KVCache:
                 self.k[layer] = xp.asarray(self.k[layer], copy=True)
                 self.v[layer] = xp.asarray(self.v[layer], copy=True)
                 self._own[layer] = True
-            self.k[layer][:, pos : pos + T, :] = k
-            self.v[layer][:, pos : pos + T, :] = v
+            # positions as an array: a compiled step's position is data, not a constant
+            rows = slice(pos, pos + T) if isinstance(pos, Integral) else pos
+            self.k[layer][:, rows, :] = k
+            self.v[layer][:, rows, :] = v
             return self.k[layer], self.v[layer]
+        if not isinstance(pos, Integral):
+            raise BackendError(f"{xp.__name__} has no in-place writes: pos must be an int")
         fresh = ((self.slots >= pos) & (self.slots < pos + T))[None, :, None]  # (1, capacity, 1)
         src = xp.clip(self.slots - pos, 0, T - 1)  # row of k feeding each slot
         self.k[layer] = xp.where(fresh, xp.take(k, src, axis=1), self.k[layer])

@@ -150,10 +150,12 @@ class SequenceStep:
 @dataclass
 class Segment:
     """Rows ``start .. start + n - 1`` of a forward pass: one sequence's new tokens, at
-    positions ``pos ..`` of its ``cache``, with the additive mask of each window over it."""
+    positions ``pos ..`` of its ``cache``, with the additive mask of each window over it.
+    In a compiled step ``pos`` is the array (n,) of the rows' positions, data rather than a
+    constant of the compiled graph (:meth:`Model.step`)."""
 
     cache: KVCache
-    pos: int
+    pos: int | Array
     start: int
     n: int
     masks: dict[int, Array]  # window -> (n, S), S = the cache's capacity
@@ -392,6 +394,7 @@ class Model:
         # of 2^24 positions, and tables that long would take gigabytes before any token runs
         self.rope_tables: dict[Rope, tuple[Array, Array]] = {}
         self._rope_positions = 0
+        self.compiled_step = self._compile(backend)
         self.tokenizer = tokenizer  # the file's vocabulary
         self.chat_template = chat_template  # the file's template, if it has one
         self.source = source  # the GGUFFile the weights are views of
@@ -414,6 +417,24 @@ class Model:
         self.gate_softmax = glue(backend, "soft_max") or functools.partial(router_softmax, xp=xp)
         self.gate_sum = glue(backend, "sum_rows") or functools.partial(row_sum, xp=xp)
 
+    def _compile(self, backend: Backend) -> Callable[[Array, Array], Array] | None:
+        """The backend's compiled form of :meth:`step` (its class's ``compile_step(step,
+        persistent)``; None where it has none or compiles none here). Its shapes must not change
+        from token to token: the cache is then fixed at the context's length (RoPE tables too),
+        and ``persistent()`` names the arrays that keep their addresses from call to call."""
+        own = getattr(type(backend), "compile_step", None)
+        step = None if own is None else own(backend, self.step, self._persistent)
+        if step is not None:
+            self.cache.fix(self.n_ctx)
+            self._grow_rope(self.cache.capacity)
+        return step
+
+    def _persistent(self) -> tuple[Any, ...]:
+        """What a compiled step reads that lives from call to call: the weights, the fixed
+        cache's arrays and positions, the RoPE tables."""
+        c = self.cache
+        return (self.weights, c.k, c.v, c.slots, tuple(self.rope_tables.values()))
+
     def forward(
         self,
         ids: Sequence[int] | Array,
@@ -428,15 +449,36 @@ class Model:
         :mod:`qllama.runtime.observe` as they are computed; without one nothing extra is done.
         """
         tokens = self.backend.asarray(self._check_ids(ids, pos, self.cache))
+        if self.compiled_step is not None and self._compiled(tokens.shape[0], observer):
+            self.cache.reset(pos)
+            logits = self.compiled_step(tokens, self.cache.slots[:1] + pos)  # (1, vocab)
+            self.cache.length = pos + 1
+            return logits if all_logits else logits[0, :]
         segment, where = self._segment(self.cache, pos, tokens.shape[0], 0)
         self._grow_rope(self.cache.capacity)
         x = self._hidden(tokens, where, [segment], observer)
+        self.cache.length = pos + tokens.shape[0]
         if not all_logits:
             x = x[-1:, :]  # only the last position picks the next token
         logits = self._logits(x)
         if self.trace_nonfinite:
             self._check_finite(logits, "the logits", pos)
         return logits if all_logits else logits[0, :]
+
+    def step(self, tokens: Array, where: Array) -> Array:
+        """The logits (1, vocab) of one token (1,) at position ``where`` (1,) of the model's
+        own cache, as :meth:`forward` computes them: what a backend compiles
+        (:meth:`_compile`). The position is an array, so that it is data of the compiled
+        graph and not a constant, and the cache's capacity is fixed: nothing the graph
+        depends on changes from token to token."""
+        masks = self._masks(where, self.cache)  # window -> (1, S)
+        return self._logits(self._hidden(tokens, where, [Segment(self.cache, where, 0, 1, masks)]))
+
+    def _compiled(self, n: int, observer: Observer | None) -> bool:
+        """Whether a pass of ``n`` tokens on the model's cache may run the compiled step: one
+        token on the cache it was compiled for (not one swapped in, as qllama.hf's rows), and
+        nothing that looks inside the pass (an observer, the trace of non-finite values)."""
+        return n == 1 and self.cache.fixed and observer is None and not self.trace_nonfinite
 
     def new_cache(self) -> KVCache:
         """An empty KV cache shaped for this model (one per sequence of :meth:`forward_batch`)."""
@@ -481,6 +523,8 @@ class Model:
         xp = self.xp
         where = wheres[0] if len(wheres) == 1 else xp.concat(wheres, axis=0)  # (N,)
         x = self._hidden(self.backend.asarray(flat), where, segments)  # (N, n_embd)
+        for s, ids in zip(steps, checked, strict=True):
+            s.cache.length = s.pos + len(ids)
         # the output product only for the rows whose logits are wanted
         rows = [
             (g.start, g.start + g.n) if s.all_logits else (g.start + g.n - 1, g.start + g.n)
@@ -505,8 +549,12 @@ class Model:
         cache.reserve(pos + n)
         # positions as arrays, not Python slices: shapes then stay put from token to token
         where = cache.slots[:n] + pos  # (n,) positions of the new tokens
-        masks = {k.window: self._mask(where, k.window, cache) for k in self.kinds}  # (n, S)
-        return Segment(cache, pos, start, n, masks), where
+        return Segment(cache, pos, start, n, self._masks(where, cache)), where
+
+    def _masks(self, where: Array, cache: KVCache) -> dict[int, Array]:
+        """The additive mask (n, S) of every window the layers use, for rows at positions
+        ``where`` (n,) over ``cache``."""
+        return {k.window: self._mask(where, k.window, cache) for k in self.kinds}
 
     def _hidden(
         self, tokens: Array, where: Array, segments: list[Segment], observer: Observer | None = None
@@ -536,8 +584,6 @@ class Model:
                     if len(segments) > 1:
                         what += f" (sequence {b})"
                     self._check_finite(rows, what, g.pos)
-        for g in segments:
-            g.cache.length = g.pos + g.n
         return x
 
     def _block(
