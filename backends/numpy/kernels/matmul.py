@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 from numba import njit, prange
 
-from qllama.backends.numpy.kernels import gemm, gemv, superblocks
+from qllama.backends.numpy.kernels import gemm, gemv, grid, superblocks
 from qllama.backends.numpy.kernels.quantize import TOKEN_TILE, q8_row, q8k_row
 from qllama.backends.numpy.kernels.simd import (
     IQ4_NL,
@@ -614,6 +614,10 @@ KERNELS.update({fmt: (_small_kernel(fmt, True), _small_kernel(fmt, False)) for f
 # weights, 2 threads: 4 tokens for the 32-blocks, 6 to 12 for the K-quants. IQ4_NL and IQ4_XS have
 # no token tiles of their own yet: as many tokens or more go to their loops below.
 GEMM_TOKENS = {**{fmt: 4 for fmt in LEGACY}, **{fmt: 8 for fmt in KQUANTS}, IQ4_XS: 8, IQ4_NL: 4}
+# The IQ grid formats stream for fewer tokens than a token tile (kernels/grid.py: a row
+# decoded once for them all); a tile or more go to the tile loops below
+GEMM_TOKENS |= {fmt: TOKEN_TILE for fmt in grid.FORMATS}
+GEMV_KERNELS = {**gemv.KERNELS, **grid.KERNELS}
 
 
 def streaming(fmt: int, tokens: int, *, serial: bool) -> Any | None:
@@ -624,7 +628,7 @@ def streaming(fmt: int, tokens: int, *, serial: bool) -> Any | None:
     row-major (T, rows[i])."""
     if fmt not in GEMM_TOKENS:
         return None
-    kernels = gemm.KERNELS if tokens >= GEMM_TOKENS[fmt] else gemv.KERNELS
+    kernels = gemm.KERNELS if tokens >= GEMM_TOKENS[fmt] else GEMV_KERNELS
     return kernels[fmt][1 if serial else 0] if fmt in kernels else None
 
 
