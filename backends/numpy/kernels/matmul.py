@@ -11,6 +11,9 @@ calls. This module says which kernel computes a format:
   registers and take several weights that share an input in one call;
 * IQ4_NL and IQ4_XS: the streaming kernels of :mod:`qllama.backends.numpy.kernels.gemv` for few
   tokens, the loops below for many;
+* the IQ grid formats (IQ2_XXS .. IQ3_S, IQ1_S, IQ1_M): the streaming kernels of
+  :mod:`qllama.backends.numpy.kernels.grid` for fewer tokens than a token tile (16), the
+  loops below for more;
 * the IQ and table formats: the kernels below, ``kernel(fmt, serial=...)(raw, rows, x, simd,
   threads)``.
 
@@ -19,8 +22,9 @@ per weight row decodes each block in registers (:mod:`qllama.backends.numpy.kern
 its exact integer sums with the tokens' blocks, unsigned by signed (``vpdpbusd``), and combines the
 float32 terms in the order of ggml's generic C, per block in block order.
 
-The IQ grid formats (IQ2_XXS .. IQ3_S, IQ1_S, IQ1_M) and the ternary ones (TQ1_0, TQ2_0)
-decode each super-block once into its signed integers and sub-block scales
+The IQ grid formats (IQ2_XXS .. IQ3_S, IQ1_S, IQ1_M; here for a token tile or more) and the
+ternary ones (TQ1_0, TQ2_0) decode each super-block once into its signed integers and
+sub-block scales
 (:mod:`qllama.backends.numpy.kernels.superblocks`), then take plain integer sums with each
 token (:func:`_matmul_iq`): ``(d*y.d) * bsum`` per block in block order (IQ1: ``bsum/8``),
 IQ2's ``0.125 * sumf`` and IQ3_XXS's ``0.25 * sumf`` at the end, as ggml's generic C.
