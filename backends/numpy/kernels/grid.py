@@ -144,8 +144,9 @@ def _parity_signs(builder: ir.IRBuilder, s7: Any) -> Any:
 
 
 def _nibble_scales(builder: ir.IRBuilder, b8: Any, per16: bool) -> Any:
-    """``2 * s + 1`` for the nibbles ``s`` of 8 bytes: per 16 values (IQ2_XS, IQ2_S: low
-    nibble, then high, of each byte) or per 32 (IQ3_S: 4 bytes, low nibble first)."""
+    """``2 * s + 1`` for the nibbles ``s`` of the scale bytes ``b8``, per 16 values (<16 x
+    i16>): one a 16 (IQ2_XS, IQ2_S: 8 bytes, low nibble, then high, of each byte) or one a 32
+    (IQ3_S: 4 bytes, the last of its block, low nibble first)."""
     if per16:
         spread = pick(builder, b8, [j // 2 for j in range(16)])
         shifts = [4 * (j % 2) for j in range(16)]
@@ -219,7 +220,7 @@ def _decode(builder: ir.IRBuilder, f: int, p: Any, table: Any) -> tuple[list[Any
         )
         index = builder.or_(qs, builder.select(hit, splat(I32, 64, 256), splat(I32, 64, 0)))
         signs = load(builder, p, 74, vec(I8, 32))
-        scales = _nibble_scales(builder, load(builder, p, 106, vec(I8, 8)), False)
+        scales = _nibble_scales(builder, load(builder, p, 106, vec(I8, 4)), False)
     elif f == IQ1_S:  # qs[32] low index bytes, qh u16[8]: 3 bits a group, scale, delta's sign
         qs = builder.zext(load(builder, p, 2, vec(I8, 32)), vec(I32, 32))
         qh = builder.zext(load(builder, p, 34, vec(I16, 8)), vec(I32, 8))
