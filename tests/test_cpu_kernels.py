@@ -153,6 +153,51 @@ def test_non_finite_activations(qtype, parallelism):
             agree(fast.matmul(x[rows], fast.prepare(w)), oracle.matmul(x[rows], oracle.prepare(w)))
 
 
+# the IQ grid formats of the streaming kernels (kernels/grid.py)
+STREAMING_GRIDS = ["IQ2_XXS", "IQ3_XXS", "IQ2_XS", "IQ2_S", "IQ3_S", "IQ1_S", "IQ1_M"]
+
+
+@pytest.mark.parametrize("qtype", STREAMING_GRIDS)
+@pytest.mark.parametrize("rows", [1, 7])
+def test_grid_decode_shapes(qtype, rows, parallelism):
+    """Every decode shape of the grid kernels, 1 to 8 tokens (the rows streamed once for
+    them all), odd row counts, 3 super-blocks a row: the oracle's bits."""
+    k = 768
+    w = random_weight(qtype, rows, k, seed=rows)
+    fast, oracle = backends("ref", parallelism)
+    for tokens in range(1, 9):
+        x = hard_activations(tokens, k, seed=tokens)
+        agree(fast.matmul(x, fast.prepare(w)), oracle.matmul(x, oracle.prepare(w)))
+
+
+def random_blocks(qtype: str, rows: int, k: int, seed: int) -> QuantTensor:
+    """Random bytes in every field but the scale ``d`` (a finite fp16): every grid point,
+    sign pattern, high index bit, delta and sub-block scale the format can store, where a
+    quantizer's output holds only the ones it chose."""
+    size = GGMLType[qtype].block.type_size
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (rows * k // 256, size), dtype=np.uint8)
+    d = np.frombuffer(np.float16(0.0123).tobytes(), np.uint8)
+    if qtype == "IQ1_M":  # d is the top nibbles of its four scale words, the first lowest
+        bits = int(np.float16(0.0123).view(np.uint16))
+        for c in range(4):
+            raw[:, 49 + 2 * c] = (raw[:, 49 + 2 * c] & 0x0F) | (((bits >> (4 * c)) & 15) << 4)
+    else:
+        raw[:, :2] = d
+    return weight(raw, qtype, (rows, k))
+
+
+@pytest.mark.parametrize("qtype", STREAMING_GRIDS)
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_grid_kernels_on_every_bit_pattern(qtype, tokens, parallelism):
+    k = 512
+    w = random_blocks(qtype, 11, k, seed=tokens)
+    x = hard_activations(tokens, k, seed=tokens)
+    x[-1, :256] = -np.abs(x[-1, :256])  # codes of -128 against both signs of weights
+    fast, oracle = backends("ref", parallelism)
+    agree(fast.matmul(x, fast.prepare(w)), oracle.matmul(x, oracle.prepare(w)))
+
+
 @pytest.mark.parametrize("tokens", [1, 3, 20])
 def test_q8_0_codes_of_minus_128(tokens, parallelism):
     """-128 in a Q8_0 weight (llama.cpp's quantizer never writes it; a hand-made file can)
@@ -190,7 +235,9 @@ def one_file(qtypes: list[str], rows: list[int], k: int) -> list[QuantTensor]:
     ]
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q5_1", "Q8_0", "Q3_K", "Q4_K", "Q6_K", "IQ4_XS"])
+@pytest.mark.parametrize(
+    "qtype", ["Q4_0", "Q5_1", "Q8_0", "Q3_K", "Q4_K", "Q6_K", "IQ4_XS", "IQ2_XXS", "IQ1_M"]
+)
 @pytest.mark.parametrize("tokens", [1, 5, 20])
 def test_matmuls_of_one_input_equal_one_matmul_each(qtype, tokens, parallelism):
     """Q, K and V (rows 24, 8, 8) in one streaming call: each the same bits as its own
@@ -403,9 +450,11 @@ assert not simd.VNNI
 assert llvm_ir.AVX2 == (sys.argv[1] == "avx2")
 rng = np.random.default_rng(0)
 for qtype in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
-              "IQ4_NL", "IQ4_XS", "MXFP4"):
+              "IQ4_NL", "IQ4_XS", "MXFP4", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S",
+              "IQ1_S", "IQ1_M"):
     w = rng.standard_normal((8, 512)).astype(np.float32)
-    raw = quants.quantize(w, qtype).reshape(-1)
+    imatrix = np.ones(512, np.float32) if qtype[:3] in ("IQ1", "IQ2", "IQ3") else None
+    raw = quants.quantize(w, qtype, imatrix=imatrix).reshape(-1)
     raw.flags.writeable = False
     t = QuantTensor("w", GGMLType[qtype], (8, 512), raw)
     for tokens in (1, 20):

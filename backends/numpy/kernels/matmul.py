@@ -11,6 +11,8 @@ calls. This module says which kernel computes a format:
   registers and take several weights that share an input in one call;
 * IQ4_NL and IQ4_XS: the streaming kernels of :mod:`qllama.backends.numpy.kernels.gemv` for few
   tokens, the loops below for many;
+* the IQ grid formats (IQ2_XXS .. IQ3_S, IQ1_S, IQ1_M): the streaming kernels of
+  :mod:`qllama.backends.numpy.kernels.grid`, at every token count;
 * the IQ and table formats: the kernels below, ``kernel(fmt, serial=...)(raw, rows, x, simd,
   threads)``.
 
@@ -19,7 +21,8 @@ per weight row decodes each block in registers (:mod:`qllama.backends.numpy.kern
 its exact integer sums with the tokens' blocks, unsigned by signed (``vpdpbusd``), and combines the
 float32 terms in the order of ggml's generic C, per block in block order.
 
-The IQ grid formats (IQ2_XXS .. IQ3_S, IQ1_S, IQ1_M) and the ternary ones (TQ1_0, TQ2_0)
+The ternary formats (TQ1_0, TQ2_0) and the IQ grid formats (IQ2_XXS .. IQ3_S, IQ1_S, IQ1_M,
+which the backend streams instead: the kernels below compute them for tests and measures)
 decode each super-block once into its signed integers and sub-block scales
 (:mod:`qllama.backends.numpy.kernels.superblocks`), then take plain integer sums with each
 token (:func:`_matmul_iq`): ``(d*y.d) * bsum`` per block in block order (IQ1: ``bsum/8``),
@@ -45,7 +48,7 @@ from typing import Any
 import numpy as np
 from numba import njit, prange
 
-from qllama.backends.numpy.kernels import gemm, gemv, superblocks
+from qllama.backends.numpy.kernels import gemm, gemv, grid, superblocks
 from qllama.backends.numpy.kernels.quantize import TOKEN_TILE, q8_row, q8k_row
 from qllama.backends.numpy.kernels.simd import (
     IQ4_NL,
@@ -614,6 +617,12 @@ KERNELS.update({fmt: (_small_kernel(fmt, True), _small_kernel(fmt, False)) for f
 # weights, 2 threads: 4 tokens for the 32-blocks, 6 to 12 for the K-quants. IQ4_NL and IQ4_XS have
 # no token tiles of their own yet: as many tokens or more go to their loops below.
 GEMM_TOKENS = {**{fmt: 4 for fmt in LEGACY}, **{fmt: 8 for fmt in KQUANTS}, IQ4_XS: 8, IQ4_NL: 4}
+# The IQ grid formats stream at every token count (kernels/grid.py: a row decoded once per 16
+# tokens), measured faster than their tile loops below from 16 to 256 tokens (8192 x 2048
+# IQ2_XXS and IQ1_M, one thread, CPU time: 3.1x at 16, 1.7x at 64, 1.2-1.3x at 256)
+STREAM_ALWAYS = 1 << 62
+GEMM_TOKENS |= {fmt: STREAM_ALWAYS for fmt in grid.FORMATS}
+GEMV_KERNELS = {**gemv.KERNELS, **grid.KERNELS}
 
 
 def streaming(fmt: int, tokens: int, *, serial: bool) -> Any | None:
@@ -624,7 +633,7 @@ def streaming(fmt: int, tokens: int, *, serial: bool) -> Any | None:
     row-major (T, rows[i])."""
     if fmt not in GEMM_TOKENS:
         return None
-    kernels = gemm.KERNELS if tokens >= GEMM_TOKENS[fmt] else gemv.KERNELS
+    kernels = gemm.KERNELS if tokens >= GEMM_TOKENS[fmt] else GEMV_KERNELS
     return kernels[fmt][1 if serial else 0] if fmt in kernels else None
 
 
