@@ -207,6 +207,42 @@ def test_matmuls_of_one_input_equal_one_matmul_each(qtype, tokens, parallelism):
         agree(got, oracle.matmul(x, oracle.prepare(w)))
 
 
+# small types whose decoding runs in the streaming kernels (kernels/gemv.py, ternary.py, small.py)
+DECODING = ["MXFP4", "TQ1_0", "TQ2_0", "NVFP4", "Q1_0", "Q2_0"]
+
+
+@pytest.mark.parametrize("qtype", DECODING)
+@pytest.mark.parametrize("tokens", range(1, 9))
+def test_decoding_shapes_of_the_small_types(qtype, tokens, parallelism):
+    """1 to 8 tokens (the decoding kernels, and the loops from ``GEMM_TOKENS`` up) by two
+    weights of odd row counts (7 and 5: a group of 4 rows and a remainder) in one buffer:
+    one streaming call and one matmul each, the oracle's bits."""
+    k = 512
+    ws = one_file([qtype] * 2, [7, 5], k)
+    x = hard_activations(tokens, k, seed=tokens)
+    fast, oracle = backends("ref", parallelism)
+    prepared = [fast.prepare(w) for w in ws]
+    assert fast._streams(prepared) is not None
+    for w, p, got in zip(ws, prepared, matmuls(fast, x, prepared), strict=True):
+        want = oracle.matmul(x, oracle.prepare(w))
+        agree(got, want)
+        agree(fast.matmul(x, p), want)
+
+
+@pytest.mark.parametrize("qtype", DECODING)
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_decoding_any_bytes_of_the_small_types(qtype, tokens):
+    """Every byte value, not only those a quantizer writes (TQ1_0's trits of any byte, all
+    the scale bytes, fp16 scales that are infinite or NaN): the oracle's bits."""
+    rows, k = 7, 512
+    size = rows * k // quants.get(qtype).block_size * quants.get(qtype).type_size
+    raw = np.random.default_rng(tokens).integers(0, 256, size, dtype=np.uint8)
+    w = weight(raw, qtype, (rows, k))
+    x = hard_activations(tokens, k, seed=tokens)
+    fast, oracle = backends("ref", "serial")
+    agree(fast.matmul(x, fast.prepare(w)), oracle.matmul(x, oracle.prepare(w)))
+
+
 def test_a_files_layer_shares_one_call(tmp_path):
     """The tensors of a loaded file are views of its one map: Q, K, V go in one call."""
     import qllama

@@ -9,8 +9,9 @@ calls. This module says which kernel computes a format:
   (:func:`streaming`), :mod:`qllama.backends.numpy.kernels.gemv` for few tokens and
   :mod:`qllama.backends.numpy.kernels.gemm` for many, which keep a whole row's accumulators in
   registers and take several weights that share an input in one call;
-* IQ4_NL and IQ4_XS: the streaming kernels of :mod:`qllama.backends.numpy.kernels.gemv` for few
-  tokens, the loops below for many;
+* IQ4_NL, MXFP4 and IQ4_XS: the streaming kernels of :mod:`qllama.backends.numpy.kernels.gemv`
+  for few tokens, the loops below for many; TQ1_0 and TQ2_0 likewise, their few tokens in
+  :mod:`qllama.backends.numpy.kernels.ternary`;
 * the IQ and table formats: the kernels below, ``kernel(fmt, serial=...)(raw, rows, x, simd,
   threads)``.
 
@@ -19,17 +20,18 @@ per weight row decodes each block in registers (:mod:`qllama.backends.numpy.kern
 its exact integer sums with the tokens' blocks, unsigned by signed (``vpdpbusd``), and combines the
 float32 terms in the order of ggml's generic C, per block in block order.
 
-The IQ grid formats (IQ2_XXS .. IQ3_S, IQ1_S, IQ1_M) and the ternary ones (TQ1_0, TQ2_0)
+The IQ grid formats (IQ2_XXS .. IQ3_S, IQ1_S, IQ1_M) and the ternary ones (TQ1_0, TQ2_0;
+few tokens: the streaming kernels of :mod:`qllama.backends.numpy.kernels.ternary`)
 decode each super-block once into its signed integers and sub-block scales
 (:mod:`qllama.backends.numpy.kernels.superblocks`), then take plain integer sums with each
 token (:func:`_matmul_iq`): ``(d*y.d) * bsum`` per block in block order (IQ1: ``bsum/8``),
 IQ2's ``0.125 * sumf`` and IQ3_XXS's ``0.25 * sumf`` at the end, as ggml's generic C.
 
-IQ4_NL, MXFP4 and IQ4_XS (the formats whose 4-bit codes index a table of levels) run in the
-32-block loops: each block's levels plus 128 (``decode_levels``) by the activations, minus
-128 times the activations' block sum; IQ4_XS's activations are Q8_K (its 256-block ``d``
-shared by the eight 32-blocks, the block sums from its ``bsums``) and each of its 32-blocks
-adds ``((d*y.d)*(ls - 32))*isum``, as ggml's generic C does.
+IQ4_NL, MXFP4 and IQ4_XS (the formats whose 4-bit codes index a table of levels) run many
+tokens in the 32-block loops: each block's levels plus 128 (``decode_levels``) by the
+activations, minus 128 times the activations' block sum; IQ4_XS's activations are Q8_K
+(its 256-block ``d`` shared by the eight 32-blocks, the block sums from its ``bsums``) and
+each of its 32-blocks adds ``((d*y.d)*(ls - 32))*isum``, as ggml's generic C does.
 
 Few tokens (decoding): rows in groups of 4, each row's blocks 16 at a time against one
 token. Many tokens (prefill, teacher forcing): each weight block is decoded once and meets
@@ -45,7 +47,7 @@ from typing import Any
 import numpy as np
 from numba import njit, prange
 
-from qllama.backends.numpy.kernels import gemm, gemv, superblocks
+from qllama.backends.numpy.kernels import gemm, gemv, small, superblocks, ternary
 from qllama.backends.numpy.kernels.quantize import TOKEN_TILE, q8_row, q8k_row
 from qllama.backends.numpy.kernels.simd import (
     IQ4_NL,
@@ -611,9 +613,16 @@ KERNELS.update({fmt: (_small_kernel(fmt, True), _small_kernel(fmt, False)) for f
 
 # Fewer tokens than this: each weight row streamed once per token (kernels/gemv.py); as many or
 # more: tiles of 16 tokens per decoded block (kernels/gemm.py). Measured crossovers on 2048 x 8192
-# weights, 2 threads: 4 tokens for the 32-blocks, 6 to 12 for the K-quants. IQ4_NL and IQ4_XS have
-# no token tiles of their own yet: as many tokens or more go to their loops below.
-GEMM_TOKENS = {**{fmt: 4 for fmt in LEGACY}, **{fmt: 8 for fmt in KQUANTS}, IQ4_XS: 8, IQ4_NL: 4}
+# weights, 2 threads: 4 tokens for the 32-blocks, 6 to 12 for the K-quants. IQ4_NL, MXFP4 and
+# IQ4_XS have no token tiles of their own yet: as many tokens or more go to their loops below.
+GEMM_TOKENS = {**{fmt: 4 for fmt in LEGACY}, **{fmt: 8 for fmt in KQUANTS}, IQ4_XS: 8}
+GEMM_TOKENS |= {IQ4_NL: 4, MXFP4: 4}
+# the decoding kernels of the ternary formats (kernels/ternary.py; from a tile of tokens up,
+# their token tiles below) and of NVFP4, Q1_0, Q2_0 (kernels/small.py; SMALL_TOKENS up, their
+# loops below)
+SMALL_TOKENS = 64
+GEMM_TOKENS |= {fmt: TOKEN_TILE for fmt in ternary.FORMATS} | {fmt: SMALL_TOKENS for fmt in SMALL}
+DECODING = gemv.KERNELS | ternary.KERNELS | small.KERNELS
 
 
 def streaming(fmt: int, tokens: int, *, serial: bool) -> Any | None:
@@ -624,7 +633,7 @@ def streaming(fmt: int, tokens: int, *, serial: bool) -> Any | None:
     row-major (T, rows[i])."""
     if fmt not in GEMM_TOKENS:
         return None
-    kernels = gemm.KERNELS if tokens >= GEMM_TOKENS[fmt] else gemv.KERNELS
+    kernels = gemm.KERNELS if tokens >= GEMM_TOKENS[fmt] else DECODING
     return kernels[fmt][1 if serial else 0] if fmt in kernels else None
 
 
