@@ -214,9 +214,9 @@ DECODING = ["MXFP4", "TQ1_0", "TQ2_0", "NVFP4", "Q1_0", "Q2_0"]
 @pytest.mark.parametrize("qtype", DECODING)
 @pytest.mark.parametrize("tokens", range(1, 9))
 def test_decoding_shapes_of_the_small_types(qtype, tokens, parallelism):
-    """1 to 8 tokens (the decoding kernels, and the loops from ``GEMM_TOKENS`` up) by two
-    weights of odd row counts (7 and 5: a group of 4 rows and a remainder) in one buffer:
-    one streaming call and one matmul each, the oracle's bits."""
+    """1 to 8 tokens (the decoding kernels) by two weights of odd row counts (7 and 5: a
+    group of 4 rows and a remainder) in one buffer: one streaming call and one matmul each,
+    the oracle's bits."""
     k = 512
     ws = one_file([qtype] * 2, [7, 5], k)
     x = hard_activations(tokens, k, seed=tokens)
@@ -439,7 +439,7 @@ assert not simd.VNNI
 assert llvm_ir.AVX2 == (sys.argv[1] == "avx2")
 rng = np.random.default_rng(0)
 for qtype in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
-              "IQ4_NL", "IQ4_XS", "MXFP4"):
+              "IQ4_NL", "IQ4_XS", "MXFP4", "TQ1_0", "TQ2_0", "NVFP4", "Q1_0", "Q2_0"):
     w = rng.standard_normal((8, 512)).astype(np.float32)
     raw = quants.quantize(w, qtype).reshape(-1)
     raw.flags.writeable = False
