@@ -216,8 +216,8 @@ DECODING = ["MXFP4", "TQ1_0", "TQ2_0", "NVFP4", "Q1_0", "Q2_0"]
 def test_decoding_shapes_of_the_small_types(qtype, tokens, parallelism):
     """1 to 8 tokens (the decoding kernels) by two weights of odd row counts (7 and 5: a
     group of 4 rows and a remainder) in one buffer: one streaming call and one matmul each,
-    the oracle's bits."""
-    k = 512
+    the oracle's bits. 1792 values a row: 7 256-blocks, steps of 4, 2 and 1 block."""
+    k = 1792
     ws = one_file([qtype] * 2, [7, 5], k)
     x = hard_activations(tokens, k, seed=tokens)
     fast, oracle = backends("ref", parallelism)
@@ -234,7 +234,7 @@ def test_decoding_shapes_of_the_small_types(qtype, tokens, parallelism):
 def test_decoding_any_bytes_of_the_small_types(qtype, tokens):
     """Every byte value, not only those a quantizer writes (TQ1_0's trits of any byte, all
     the scale bytes, fp16 scales that are infinite or NaN): the oracle's bits."""
-    rows, k = 7, 512
+    rows, k = 7, 1792
     size = rows * k // quants.get(qtype).block_size * quants.get(qtype).type_size
     raw = np.random.default_rng(tokens).integers(0, 256, size, dtype=np.uint8)
     w = weight(raw, qtype, (rows, k))

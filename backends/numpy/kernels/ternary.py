@@ -4,9 +4,10 @@ row, each row's super-blocks decoded in vector registers as its bytes arrive.
 A row's dot product with one token is one loop in LLVM IR (:func:`ternary_row`), as the
 streaming kernels of :mod:`qllama.backends.numpy.kernels.gemv` state theirs. Per 256-block:
 
-* **TQ2_0**: element ``128h + 32l + m`` is bits ``2l`` of byte ``32h + m``; its four shifts
-  of each 32 bytes are the codes ``c`` (0..3, the weight ``c - 1``) of 128 elements in order,
-  multiplied by the Q8_K activations four products a lane (``vpdpbusd``);
+* **TQ2_0**: element ``128h + 32l + m`` is bits ``2l`` of byte ``32h + m``; the four shifts
+  of its 64 bytes (one vector) are the codes ``c`` (0..3, the weight ``c - 1``) of 64
+  elements each, multiplied by the Q8_K activations (laid out once per token in that order,
+  :data:`TQ2_ORDER`) four products a lane (``vpdpbusd``);
 * **TQ1_0**: trit ``n`` of a byte is ``((uint8)(byte * 3**n) * 3) >> 8`` (0..2, the weight
   plus one). Its 52 bytes of ``qs`` and ``qh`` are loaded as one vector and each of the 5
   trits taken of all of them at once: ``byte * 3**n`` as byte additions (the last times 3),
@@ -16,7 +17,9 @@ streaming kernels of :mod:`qllama.backends.numpy.kernels.gemv` state theirs. Per
 
 The sum of the codes by the activations, minus the activations' sum over the block (the
 ``- 1`` of every weight), is ggml's exact integer ``sumi``; the row's sum adds
-``(float)sumi * (d * y.d)`` block after block, as ggml's generic C. The same integers and
+``(float)sumi * (d * y.d)`` block after block, as ggml's generic C (four blocks a step:
+their integer sums reduced together, their terms computed as one vector, then added in
+order). The same integers and
 float32 operations in the same order as :func:`qllama.backends.numpy.oracle.vec_dot`:
 ``tests/test_cpu_kernels.py`` checks them bit for bit. Rows are split over numba's threads.
 """
@@ -39,18 +42,18 @@ from qllama.backends.numpy.kernels.llvm_ir import (
     byte_ptr,
     counted_loop,
     data_ptr,
+    fsum_in_order,
     halves,
     i64,
     load,
     prefetch,
-    reduce_add,
     shuffle,
     small_dot4,
     splat,
     store,
     vec,
 )
-from qllama.backends.numpy.kernels.simd import _literal, tune
+from qllama.backends.numpy.kernels.simd import _literal, _reduce_together, tune
 from qllama.ggml_types import GGMLType
 from qllama.jit import INLINE, named_kernel
 
@@ -58,7 +61,7 @@ TQ1_0, TQ2_0 = int(GGMLType.TQ1_0), int(GGMLType.TQ2_0)
 FORMATS = (TQ1_0, TQ2_0)
 TYPE_SIZE = {TQ1_0: 54, TQ2_0: 66}  # qs (48 / 64 bytes), TQ1_0's qh (4), fp16 d
 D_AT = {TQ1_0: 52, TQ2_0: 64}
-# activation bytes a 256-block takes: TQ1_0's 5 trits of 64 lanes, TQ2_0's elements in order
+# activation bytes a 256-block takes: TQ1_0's 5 trits of 64 lanes, TQ2_0's 4 shifts of 64
 X_SPAN = {TQ1_0: 320, TQ2_0: 256}
 
 
@@ -80,22 +83,20 @@ def _tq1_order() -> np.ndarray:
 
 
 TQ1_ORDER = _tq1_order()
+# TQ2_0: lane 64l + 32h + m of a 256-block holds element 128h + 32l + m (shift l of byte 32h + m)
+TQ2_ORDER = np.array(
+    [128 * h + 32 * lv + m for lv in range(4) for h in range(2) for m in range(32)], np.int64
+)
 
 
 def _tq2_sums(builder: ir.IRBuilder, p: Any, xs: Any) -> Any:
-    """TQ2_0's codes (0..3) of the block at ``p`` by the activations at ``xs`` (in order):
-    <16 x i32> quad sums."""
+    """TQ2_0's codes (0..3) of the block at ``p`` by the activations at ``xs``
+    (:data:`TQ2_ORDER`): <16 x i32> quad sums. Its 64 bytes in one vector, shifted 4 times."""
+    qs = load(builder, p, 0, vec(I8, 64))
     acc = splat(I32, 16, 0)
-    for h in range(2):
-        qs = load(builder, p, 32 * h, vec(I8, 32))
-        codes = [
-            builder.and_(builder.lshr(qs, splat(I8, 32, 2 * lv)), splat(I8, 32, 3))
-            for lv in range(4)
-        ]
-        for pair in range(2):  # elements 128h + 64 pair .. + 64
-            u = shuffle(builder, codes[2 * pair], codes[2 * pair + 1], range(64))
-            s = load(builder, xs, 128 * h + 64 * pair, vec(I8, 64))
-            acc = small_dot4(builder, acc, u, s)
+    for lv in range(4):
+        codes = builder.and_(builder.lshr(qs, splat(I8, 64, 2 * lv)), splat(I8, 64, 3))
+        acc = small_dot4(builder, acc, codes, load(builder, xs, 64 * lv, vec(I8, 64)))
     return acc
 
 
@@ -139,7 +140,7 @@ def ternary_row(
 ) -> Any:
     """ggml's generic ``vec_dot_tq{1,2}_0_q8_K`` of one weight row (``nb`` 256-blocks of
     ``fmt`` from byte ``off`` of ``raw``) with one token's Q8_K activations: codes
-    ``xs[xo:]`` (int8; in order for TQ2_0, in :data:`TQ1_ORDER` for TQ1_0), ``ys[yo:]`` the
+    ``xs[xo:]`` (int8; in :data:`TQ2_ORDER` or :data:`TQ1_ORDER` within each block), ``ys[yo:]`` the
     sum of each block's codes (int32), ``yd[yo:]`` each block's d (float32). Writes the
     float32 sum to ``out[oo]``."""
     f = _literal(fmt, FORMATS, "ternary_row: fmt")
@@ -155,19 +156,36 @@ def ternary_row(
         ysp = byte_ptr(builder, data_ptr(context, builder, sig.args[5], args[5]), at)
         ydp = byte_ptr(builder, data_ptr(context, builder, sig.args[7], args[7]), at)
 
-        def block(b: Any, carried: list[Any]) -> list[Any]:
-            p = byte_ptr(builder, row, builder.mul(b, i64(ts)))
-            for line in range(0, ts, 64):
-                prefetch(builder, p, PREFETCH + line)
-            xb = byte_ptr(builder, x, builder.mul(b, i64(span)))
-            acc = _tq1_sums(builder, p, xb) if f == TQ1_0 else _tq2_sums(builder, p, xb)
-            ysum = load(builder, ysp, builder.mul(b, i64(4)), I32)
-            sumi = builder.sub(reduce_add(builder, acc), ysum)
-            d = halves(builder, load(builder, p, D_AT[f], I16))
-            dd = builder.fmul(d, load(builder, ydp, builder.mul(b, i64(4)), F32))
-            return [builder.fadd(carried[0], builder.fmul(builder.sitofp(sumi, F32), dd))]
+        def steps(blocks: int) -> Any:
+            def body(b0: Any, carried: list[Any]) -> list[Any]:
+                vecs, ds = [], ir.Constant(vec(I16, blocks), None)
+                for j in range(blocks):
+                    b = builder.add(b0, i64(j))
+                    p = byte_ptr(builder, row, builder.mul(b, i64(ts)))
+                    for line in range(0, ts, 64):
+                        prefetch(builder, p, PREFETCH + line)
+                    xb = byte_ptr(builder, x, builder.mul(b, i64(span)))
+                    sums = _tq1_sums if f == TQ1_0 else _tq2_sums
+                    vecs.append(sums(builder, p, xb))
+                    d = load(builder, p, D_AT[f], I16)
+                    ds = builder.insert_element(ds, d, ir.Constant(I32, j))
+                # the blocks' integer sums reduced together, then their terms in block order
+                at = builder.mul(b0, i64(4))
+                sumi = builder.sub(
+                    _reduce_together(builder, vecs, 16, blocks),
+                    load(builder, ysp, at, vec(I32, blocks)),
+                )
+                dd = builder.fmul(halves(builder, ds), load(builder, ydp, at, vec(F32, blocks)))
+                term = builder.fmul(builder.sitofp(sumi, vec(F32, blocks)), dd)
+                return [fsum_in_order(builder, carried[0], term, blocks)]
 
-        (acc,) = counted_loop(builder, i64(0), args[2], [ir.Constant(F32, 0.0)], block)
+            return body
+
+        nb_v, acc = args[2], ir.Constant(F32, 0.0)
+        by4, by2 = builder.and_(nb_v, i64(~3)), builder.and_(nb_v, i64(~1))
+        (acc,) = counted_loop(builder, i64(0), by4, [acc], steps(4), step=4)
+        (acc,) = counted_loop(builder, by4, by2, [acc], steps(2), step=2)
+        (acc,) = counted_loop(builder, by2, nb_v, [acc], steps(1))
         o = data_ptr(context, builder, sig.args[8], args[8])
         store(builder, acc, o, builder.mul(args[9], i64(4)))
         return context.get_dummy_value()
@@ -190,14 +208,14 @@ def ternary_activations(x, fmt):
         for j in range(16):
             acc += sums16[16 * i + j]
         ys[i] = acc
-    if fmt != TQ1_0:
-        return xq, ys, dx.reshape(-1)
-    xs = np.zeros(tokens * nb * 320, np.int8)
+    span = 320 if fmt == TQ1_0 else 256
+    order = TQ1_ORDER if fmt == TQ1_0 else TQ2_ORDER
+    xs = np.zeros(tokens * nb * span, np.int8)
     for i in range(tokens * nb):
-        for lane in range(320):
-            e = TQ1_ORDER[lane]
+        for lane in range(span):
+            e = order[lane]
             if e >= 0:
-                xs[320 * i + lane] = xq[256 * i + e]
+                xs[span * i + lane] = xq[256 * i + e]
     return xs, ys, dx.reshape(-1)
 
 
