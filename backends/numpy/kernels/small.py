@@ -75,6 +75,7 @@ TYPE_SIZE = {NVFP4: 36, Q1_0: 18, Q2_0: 18}
 SPAN = {NVFP4: 2, Q1_0: 4, Q2_0: 2}  # Q8_0 blocks a weight block spans
 # activation sums per weight block: NVFP4's per 16 (times 128), the others' per 32
 SUMS = {NVFP4: 4, Q1_0: 4, Q2_0: 2}
+STEP = {NVFP4: 4, Q1_0: 2, Q2_0: 4}  # weight blocks a step of the loop (a power of 2)
 UE4M3_HALF = np.ascontiguousarray(fp4.UE4M3_HALF)  # NVFP4's scale byte -> half its value
 # Q2_0: lane 8l + i of each 32 holds value 4i + l of it
 Q2_ORDER = np.array([4 * i + lv for lv in range(4) for i in range(8)], np.int64)
@@ -82,19 +83,19 @@ Q2_ORDER = np.array([4 * i + lv for lv in range(4) for i in range(8)], np.int64)
 
 def _nvfp4_sums(builder: ir.IRBuilder, p: Any, xs: Any) -> Any:
     """NVFP4's 64 levels plus 128 of the block at ``p`` by the activations at ``xs``: the 4
-    16-blocks' sums (<4 x i32>), before the 128 times the activations' sums come off."""
+    16-blocks' partial sums (one <16 x i32>, 4 lanes each), before the 128 times the
+    activations' sums come off."""
     qs = load(builder, p, 4, vec(I8, 32))
     lo = builder.and_(qs, splat(I8, 32, 15))
     hi = builder.lshr(qs, splat(I8, 32, 4))
     idx = shuffle(builder, lo, hi, [8 * (e // 16) + e % 8 + 32 * (e % 16 >= 8) for e in range(64)])
     codes = _levels64(builder, LEVELS[MXFP4], idx)
-    v = dot4(builder, splat(I32, 16, 0), codes, load(builder, xs, 0, vec(I8, 64)))
-    return _reduce_together(builder, [v], 4, 4)
+    return [dot4(builder, splat(I32, 16, 0), codes, load(builder, xs, 0, vec(I8, 64)))]
 
 
 def _q1_sums(builder: ir.IRBuilder, p: Any, xs: Any) -> Any:
     """Q1_0's 128 bits (as bytes 0 / 1) of the block at ``p`` by the activations: the 4
-    32-blocks' sums (<4 x i32>)."""
+    32-blocks' partial sums (two <16 x i32>, 8 lanes each)."""
     qs = load(builder, p, 2, vec(I8, 16))
     vecs = []
     for h in range(2):
@@ -103,12 +104,12 @@ def _q1_sums(builder: ir.IRBuilder, p: Any, xs: Any) -> Any:
         ones = builder.zext(builder.icmp_unsigned("!=", bit, splat(I8, 64, 0)), vec(I8, 64))
         s = load(builder, xs, 64 * h, vec(I8, 64))
         vecs.append(small_dot4(builder, splat(I32, 16, 0), ones, s))
-    return _reduce_together(builder, vecs, 8, 4)
+    return vecs
 
 
 def _q2_sums(builder: ir.IRBuilder, p: Any, xs: Any) -> Any:
     """Q2_0's 64 codes (0..3) of the block at ``p`` in :data:`Q2_ORDER` by the activations
-    (in that order): the 2 32-blocks' sums (<2 x i32>)."""
+    (in that order): the 2 32-blocks' partial sums (one <16 x i32>, 8 lanes each)."""
     qs = load(builder, p, 2, vec(I8, 16))
     v = [builder.and_(builder.lshr(qs, splat(I8, 16, 2 * lv)), splat(I8, 16, 3)) for lv in range(4)]
     v01, v23 = shuffle(builder, v[0], v[1], range(32)), shuffle(builder, v[2], v[3], range(32))
@@ -120,8 +121,10 @@ def _q2_sums(builder: ir.IRBuilder, p: Any, xs: Any) -> Any:
         for i in range(8)
     ]
     codes = shuffle(builder, v01, v23, mask)
-    acc = small_dot4(builder, splat(I32, 16, 0), codes, load(builder, xs, 0, vec(I8, 64)))
-    return _reduce_together(builder, [acc], 8, 2)
+    return [small_dot4(builder, splat(I32, 16, 0), codes, load(builder, xs, 0, vec(I8, 64)))]
+
+
+SUMS_OF = {NVFP4: _nvfp4_sums, Q1_0: _q1_sums, Q2_0: _q2_sums}
 
 
 @intrinsic(prefer_literal=True)
@@ -165,36 +168,53 @@ def small_row(
         )
         table = data_ptr(context, builder, sig.args[8], args[8])
 
-        def block(b: Any, carried: list[Any]) -> list[Any]:
-            p = byte_ptr(builder, row, builder.mul(b, i64(ts)))
-            for line in range(0, ts, 64):
-                prefetch(builder, p, PREFETCH + line)
-            xb = byte_ptr(builder, x, builder.mul(b, i64(32 * span)))
-            ysum = load(builder, ysp, builder.mul(b, i64(4 * sums)), vec(I32, sums))
-            yds = load(builder, ydp, builder.mul(b, i64(4 * span)), vec(F32, span))
-            if f == NVFP4:
-                isum = builder.sub(_nvfp4_sums(builder, p, xb), ysum)
-                d = ir.Constant(vec(F32, 4), None)
-                for s in range(4):
-                    u = builder.zext(load(builder, p, s, I8), I64)
-                    ds = load(builder, table, builder.mul(u, i64(4)), F32)
-                    d = builder.insert_element(d, ds, ir.Constant(I32, s))
-                term = builder.fmul(
-                    builder.fmul(d, pick(builder, yds, [0, 0, 1, 1])),
-                    builder.sitofp(isum, vec(F32, 4)),
-                )
-                return [fsum_in_order(builder, carried[0], term, 4)]
-            if f == Q1_0:
-                dots = _q1_sums(builder, p, xb)
-                isum = builder.sub(builder.add(dots, dots), ysum)
-            else:
-                isum = builder.sub(_q2_sums(builder, p, xb), ysum)
-            prods = builder.fmul(yds, builder.sitofp(isum, vec(F32, span)))
-            inner = fsum_in_order(builder, ir.Constant(F32, 0.0), prods, span)
-            d = halves(builder, load(builder, p, 0, I16))
-            return [builder.fadd(carried[0], builder.fmul(d, inner))]
+        def steps(blocks: int) -> Any:
+            def body(b0: Any, carried: list[Any]) -> list[Any]:
+                vecs, ds = [], ir.Constant(vec(I16, blocks), None)
+                d4 = ir.Constant(vec(F32, 4 * blocks), None)
+                for j in range(blocks):
+                    b = builder.add(b0, i64(j))
+                    p = byte_ptr(builder, row, builder.mul(b, i64(ts)))
+                    for line in range(0, ts, 64):
+                        prefetch(builder, p, PREFETCH + line)
+                    xb = byte_ptr(builder, x, builder.mul(b, i64(32 * span)))
+                    vecs += SUMS_OF[f](builder, p, xb)
+                    if f == NVFP4:  # the 4 scales, from the table
+                        for s in range(4):
+                            u = builder.zext(load(builder, p, s, I8), I64)
+                            ds4 = load(builder, table, builder.mul(u, i64(4)), F32)
+                            d4 = builder.insert_element(d4, ds4, ir.Constant(I32, 4 * j + s))
+                    else:
+                        d = load(builder, p, 0, I16)
+                        ds = builder.insert_element(ds, d, ir.Constant(I32, j))
+                # the blocks' integer sums reduced together, then their terms in order
+                n = sums * blocks
+                isum = _reduce_together(builder, vecs, 4 if f == NVFP4 else 8, n)
+                ysum = load(builder, ysp, builder.mul(b0, i64(4 * sums)), vec(I32, n))
+                yds = load(builder, ydp, builder.mul(b0, i64(4 * span)), vec(F32, span * blocks))
+                if f == Q1_0:
+                    isum = builder.add(isum, isum)
+                fi = builder.sitofp(builder.sub(isum, ysum), vec(F32, n))
+                if f == NVFP4:  # two 16-blocks a y.d
+                    yd2 = pick(builder, yds, [e // 2 for e in range(n)])
+                    term = builder.fmul(builder.fmul(d4, yd2), fi)
+                    return [fsum_in_order(builder, carried[0], term, n)]
+                prods = builder.fmul(yds, fi)
+                dw = halves(builder, ds)
+                acc = carried[0]
+                for j in range(blocks):
+                    part = pick(builder, prods, range(span * j, span * (j + 1)))
+                    inner = fsum_in_order(builder, ir.Constant(F32, 0.0), part, span)
+                    dj = builder.extract_element(dw, ir.Constant(I32, j))
+                    acc = builder.fadd(acc, builder.fmul(dj, inner))
+                return [acc]
 
-        (acc,) = counted_loop(builder, i64(0), args[2], [ir.Constant(F32, 0.0)], block)
+            return body
+
+        nb_v, acc = args[2], ir.Constant(F32, 0.0)
+        by = builder.and_(nb_v, i64(-STEP[f]))
+        (acc,) = counted_loop(builder, i64(0), by, [acc], steps(STEP[f]), step=STEP[f])
+        (acc,) = counted_loop(builder, by, nb_v, [acc], steps(1))
         o = data_ptr(context, builder, sig.args[9], args[9])
         store(builder, acc, o, builder.mul(args[10], i64(4)))
         return context.get_dummy_value()
