@@ -43,12 +43,12 @@ from qllama.backends.numpy.kernels.gemv import (
 )
 from qllama.backends.numpy.kernels.llvm_ir import (
     F32,
+    I1,
     I8,
     I16,
     I32,
     I64,
     byte_ptr,
-    consts,
     counted_loop,
     data_ptr,
     dot4,
@@ -96,12 +96,10 @@ def _nvfp4_sums(builder: ir.IRBuilder, p: Any, xs: Any) -> Any:
 def _q1_sums(builder: ir.IRBuilder, p: Any, xs: Any) -> Any:
     """Q1_0's 128 bits (as bytes 0 / 1) of the block at ``p`` by the activations: the 4
     32-blocks' partial sums (two <16 x i32>, 8 lanes each)."""
-    qs = load(builder, p, 2, vec(I8, 16))
     vecs = []
-    for h in range(2):
-        spread = pick(builder, qs, [8 * h + j // 8 for j in range(64)])
-        bit = builder.and_(spread, consts(I8, [1 << (j % 8) for j in range(64)]))
-        ones = builder.zext(builder.icmp_unsigned("!=", bit, splat(I8, 64, 0)), vec(I8, 64))
+    for h in range(2):  # 8 bytes, bit j % 8 of byte j // 8 lane j: a mask register's bits
+        bits = builder.bitcast(load(builder, p, 2 + 8 * h, I64), vec(I1, 64))
+        ones = builder.zext(bits, vec(I8, 64))
         s = load(builder, xs, 64 * h, vec(I8, 64))
         vecs.append(small_dot4(builder, splat(I32, 16, 0), ones, s))
     return vecs
