@@ -254,6 +254,42 @@ def test_matmuls_of_one_input_equal_one_matmul_each(qtype, tokens, parallelism):
         agree(got, oracle.matmul(x, oracle.prepare(w)))
 
 
+# small types whose decoding runs in the streaming kernels (kernels/gemv.py, ternary.py, small.py)
+DECODING = ["MXFP4", "TQ1_0", "TQ2_0", "NVFP4", "Q1_0", "Q2_0"]
+
+
+@pytest.mark.parametrize("qtype", DECODING)
+@pytest.mark.parametrize("tokens", range(1, 9))
+def test_decoding_shapes_of_the_small_types(qtype, tokens, parallelism):
+    """1 to 8 tokens (the decoding kernels) by two weights of odd row counts (7 and 5: a
+    group of 4 rows and a remainder) in one buffer: one streaming call and one matmul each,
+    the oracle's bits. 1792 values a row: 7 256-blocks, steps of 4, 2 and 1 block."""
+    k = 1792
+    ws = one_file([qtype] * 2, [7, 5], k)
+    x = hard_activations(tokens, k, seed=tokens)
+    fast, oracle = backends("ref", parallelism)
+    prepared = [fast.prepare(w) for w in ws]
+    assert fast._streams(prepared) is not None
+    for w, p, got in zip(ws, prepared, matmuls(fast, x, prepared), strict=True):
+        want = oracle.matmul(x, oracle.prepare(w))
+        agree(got, want)
+        agree(fast.matmul(x, p), want)
+
+
+@pytest.mark.parametrize("qtype", DECODING)
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_decoding_any_bytes_of_the_small_types(qtype, tokens):
+    """Every byte value, not only those a quantizer writes (TQ1_0's trits of any byte, all
+    the scale bytes, fp16 scales that are infinite or NaN): the oracle's bits."""
+    rows, k = 7, 1792
+    size = rows * k // quants.get(qtype).block_size * quants.get(qtype).type_size
+    raw = np.random.default_rng(tokens).integers(0, 256, size, dtype=np.uint8)
+    w = weight(raw, qtype, (rows, k))
+    x = hard_activations(tokens, k, seed=tokens)
+    fast, oracle = backends("ref", "serial")
+    agree(fast.matmul(x, fast.prepare(w)), oracle.matmul(x, oracle.prepare(w)))
+
+
 def test_a_files_layer_shares_one_call(tmp_path):
     """The tensors of a loaded file are views of its one map: Q, K, V go in one call."""
     import qllama
@@ -451,7 +487,7 @@ assert llvm_ir.AVX2 == (sys.argv[1] == "avx2")
 rng = np.random.default_rng(0)
 for qtype in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
               "IQ4_NL", "IQ4_XS", "MXFP4", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S",
-              "IQ1_S", "IQ1_M"):
+              "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0", "NVFP4", "Q1_0", "Q2_0"):
     w = rng.standard_normal((8, 512)).astype(np.float32)
     imatrix = np.ones(512, np.float32) if qtype[:3] in ("IQ1", "IQ2", "IQ3") else None
     raw = quants.quantize(w, qtype, imatrix=imatrix).reshape(-1)

@@ -217,12 +217,15 @@ def test_vec_dot_type_is_ggmls(qtype, v):
     assert quants.get(qtype).vec_dot_type == str(v[f"w/{qtype}/vec_dot_type"])
 
 
+@pytest.mark.parametrize("kernels", ["numpy", "numba"])
 @pytest.mark.parametrize("qtype", NEW)
-def test_cpu_matmul_is_ggmls_generic_c_bit_for_bit(qtype, v):
+def test_cpu_matmul_is_ggmls_generic_c_bit_for_bit(qtype, kernels, v):
     """ggml's CPU quantizes the activations with its AVX2 ``from_float`` (``"simd"`` here:
     the vectors' activation bytes), then its ``vec_dot``; the generic C, compiled as
-    written, is what the oracle reproduces."""
-    backend = NumpyBackend(kernels="numpy", activation_rounding="simd")
+    written, is what the oracle and the compiled kernels reproduce."""
+    if kernels == "numba":
+        pytest.importorskip("numba")
+    backend = NumpyBackend(kernels=kernels, activation_rounding="simd")
     with np.errstate(all="ignore"):  # the fp16-overflow row makes inf and NaN, as in ggml
         got = backend.matmul(v["acts_f32"], backend.prepare(weight(v, qtype)))
     np.testing.assert_array_equal(bits(got), bits(v[f"w/{qtype}/vec_dot_generic"].T))

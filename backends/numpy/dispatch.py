@@ -77,7 +77,8 @@ KERNEL_TABLES = frozenset(GGMLType[n] for n in ("IQ4_NL", "IQ4_XS", "MXFP4"))
 KERNEL_SMALL = frozenset(GGMLType[n] for n in ("NVFP4", "Q1_0", "Q2_0"))
 KERNEL_TYPES = KERNEL_LEGACY | KERNEL_KQUANTS | KERNEL_IQ | KERNEL_TABLES | KERNEL_SMALL
 # ... of which these run in the streaming kernels, several weights in one call
-STREAMING_TYPES = KERNEL_LEGACY | KERNEL_KQUANTS | {GGMLType.IQ4_NL, GGMLType.IQ4_XS}
+STREAMING_TYPES = KERNEL_LEGACY | KERNEL_KQUANTS | KERNEL_TABLES | KERNEL_SMALL
+STREAMING_TYPES |= {GGMLType.TQ1_0, GGMLType.TQ2_0}
 # ... and the IQ grid formats (kernels/grid.py)
 KERNEL_GRID = frozenset(
     GGMLType[n] for n in ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M")

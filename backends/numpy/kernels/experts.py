@@ -10,11 +10,9 @@ are read from the file's map, split over the threads, and meet only the rows rou
 an expert no pair chose is never read.
 
 The products per (row, weight row) are those of the decoding kernels
-(:mod:`qllama.backends.numpy.kernels.gemv`: the 32-block formats and IQ4_NL four rows a step,
-the K-quants and IQ4_XS a row a step) and, for MXFP4, of the table formats' loops
-(:func:`qllama.backends.numpy.kernels.matmul._table_rows`, on each expert's pairs'
-quantized rows gathered together): the same integers and float32 operations in the same
-order as ggml's generic C, so each pair's numbers are those of its row alone times its
+(:mod:`qllama.backends.numpy.kernels.gemv`: the 32-block formats, IQ4_NL and MXFP4 four rows a
+step, the K-quants and IQ4_XS a row a step): the same integers and float32 operations in the
+same order as ggml's generic C, so each pair's numbers are those of its row alone times its
 expert (``tests/test_moe.py`` checks them bit for bit against the backend's ``matmul``).
 """
 
@@ -22,7 +20,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 from numba import njit, prange
 
 from qllama.backends.numpy.kernels.gemv import (
@@ -39,7 +36,6 @@ from qllama.backends.numpy.kernels.gemv import (
     q8k_activations,
     q8k_plain,
 )
-from qllama.backends.numpy.kernels.matmul import _table_rows
 from qllama.backends.numpy.kernels.simd import (
     IQ4_NL,
     IQ4_XS,
@@ -54,19 +50,17 @@ from qllama.backends.numpy.kernels.simd import (
 )
 from qllama.jit import INLINE, named_kernel
 
-MXFP4_SIZE = 17  # bytes of an MXFP4 block: e8m0 scale, 16 bytes of nibbles
-
 
 @njit(**INLINE)
 def mmid_legacy(buf, offs, n, x, src, dst, bounds, simd, threads, out, fmt):
-    """The 32-block formats and IQ4_NL: ``out[dst[j]*n:][:n] = x[src[j]] @ W_e.T`` for every
+    """The 32-block formats, IQ4_NL and MXFP4: ``out[dst[j]*n:][:n] = x[src[j]] @ W_e.T`` for every
     pair ``j`` of every expert ``e`` (its ``n`` rows at byte ``offs[e]`` of ``buf``); each
     thread takes a share of every selected expert's rows, four at a time."""
     k = x.shape[1]
     nb = k // 32
     rb = nb * SIZES[fmt]
     with_m = fmt == Q4_1 or fmt == Q5_1
-    centre = 8 if fmt == Q4_0 else 16 if fmt == Q5_0 else 128 if fmt == IQ4_NL else 0
+    centre = 8 if fmt == Q4_0 else 16 if fmt == Q5_0 else 128 if fmt in (IQ4_NL, MXFP4) else 0
     centre = Q8_0_CENTRE if fmt == Q8_0 else centre
     qx, dx, sx, cx = q8_activations(x, simd, with_m, centre)  # every row once
     groups = n // 4
@@ -166,63 +160,24 @@ mmid_kquant = _row_by_row(_kquant_activations, _kquant_row)
 mmid_iq4xs = _row_by_row(_iq4xs_activations, _iq4xs_row)
 
 
-@njit(**INLINE)
-def mmid_mxfp4(buf, offs, n, x, src, dst, bounds, simd, threads, out, fmt):
-    """As :func:`mmid_legacy`, for MXFP4 (Q8_0 activations): each selected expert's pairs'
-    quantized rows gathered (bytes copied, not quantized again), then the table formats'
-    loops on its rows."""
-    k = x.shape[1]
-    nb = k // 32
-    rb = nb * MXFP4_SIZE
-    qx, dx, _, cx = q8_activations(x, simd, False, 1)  # cx: each block's sum of codes
-    for e in range(offs.shape[0]):
-        a, b = bounds[e], bounds[e + 1]
-        m = b - a
-        if m == 0:
-            continue
-        qe = np.empty(m * k, np.int8)
-        de = np.empty((m, nb), np.float32)
-        se = np.empty((nb, m), np.int32)  # (blocks, tokens), as _table_rows reads it
-        for i in range(m):
-            t = src[a + i]
-            qe[i * k : (i + 1) * k] = qx[t * k : (t + 1) * k]
-            de[i] = dx[t]
-            se[:, i] = cx[t]
-        oe = np.empty((m, n), np.float32)
-        raw = buf[offs[e] : offs[e] + n * rb]
-        chunks = max(1, min(n // 4, threads))
-        for c in prange(chunks):
-            r0, r1 = 4 * (c * (n // 4) // chunks), 4 * ((c + 1) * (n // 4) // chunks)
-            if c == chunks - 1:
-                r1 = n
-            _table_rows(raw, MXFP4, MXFP4_SIZE, r0, r1, qe, se, de, oe)
-        for i in range(m):
-            o = dst[a + i] * n
-            out[o : o + n] = oe[i]
-
-
 def _kernel(fmt: int, parallel: bool) -> Any:
     """The driver for one format, the format a constant (every branch on it folded away)."""
-    legacy, kquant, iq4 = fmt in BLOCKS32, fmt in KQUANTS, fmt == IQ4_XS
+    legacy, kquant = fmt in BLOCKS32, fmt in KQUANTS
 
     def kernel(buf, offs, n, x, src, dst, bounds, simd, threads, out):
         if legacy:
             mmid_legacy(buf, offs, n, x, src, dst, bounds, simd, threads, out, fmt)
         elif kquant:
             mmid_kquant(buf, offs, n, x, src, dst, bounds, simd, threads, out, fmt)
-        elif iq4:
-            mmid_iq4xs(buf, offs, n, x, src, dst, bounds, simd, threads, out, fmt)
         else:
-            mmid_mxfp4(buf, offs, n, x, src, dst, bounds, simd, threads, out, fmt)
+            mmid_iq4xs(buf, offs, n, x, src, dst, bounds, simd, threads, out, fmt)
 
     return named_kernel(kernel, "mmid", fmt, parallel)
 
 
 # format id -> (parallel, serial) compiled kernels:
 # ``kernel(buf, offs, n, x, src, dst, bounds, simd, threads, out)``
-KERNELS = {
-    fmt: (_kernel(fmt, True), _kernel(fmt, False)) for fmt in (*BLOCKS32, *KQUANTS, IQ4_XS, MXFP4)
-}
+KERNELS = {fmt: (_kernel(fmt, True), _kernel(fmt, False)) for fmt in (*BLOCKS32, *KQUANTS, IQ4_XS)}
 
 
 def kernel(fmt: int, *, serial: bool) -> Any | None:

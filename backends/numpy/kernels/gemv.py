@@ -4,11 +4,13 @@ Each weight row's dot product with one token is one loop in LLVM IR (:func:`lega
 :func:`kquant_row`, :func:`iq4xs_row`), its accumulators in registers from the first block
 to the last, so that the bytes of a row are read once, in order, and used as they arrive:
 
-* **32-blocks** (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), 4 rows (Q8_0: 1, :func:`_four_rows`) and
-  4 blocks a step: the codes as stored (unsigned: Q8_0's ``w ^ 0x80``, i.e. ``w + 128``)
-  times the activations, four products a lane (``vpdpbusd``), the 16 dot products' lanes
-  reduced together; minus the centre times the activations' block sum (8, 16 or 128:
-  precomputed per token) gives ``integer_form``'s sums; the 16 fp16 scales in one gather;
+* **32-blocks** (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0; IQ4_NL and MXFP4, whose nibbles index a
+  table of levels), 4 rows (Q8_0: 1, :func:`_four_rows`) and 4 blocks a step: the codes as
+  stored (unsigned: Q8_0's ``w ^ 0x80``, i.e. ``w + 128``; the levels plus 128) times the
+  activations, four products a lane (``vpdpbusd``), the 16 dot products' lanes reduced
+  together; minus the centre times the activations' block sum (8, 16 or 128: precomputed
+  per token) gives ``integer_form``'s sums; the 16 fp16 scales in one gather (MXFP4: its
+  E8M0 bytes, made float32 from their bits);
   ``(d*y.d)*isum`` (Q4_0: ``(isum*d)*y.d``; ``+ m*y.s`` for the _1 types) for the 16 at
   once, then added to each row's sum one by one, in block order.
 * **K-quants** (Q2_K..Q6_K), a 256-super-block a step: ggml's 8 accumulator lanes (element
@@ -79,6 +81,7 @@ from qllama.backends.numpy.kernels.simd import (
     IQ4_XS,
     KQUANTS,
     LEGACY,
+    MXFP4,
     Q2_K,
     Q3_K,
     Q4_0,
@@ -99,17 +102,19 @@ from qllama.backends.numpy.kernels.simd import (
     tune,
 )
 from qllama.jit import INLINE, JIT, named_kernel
-from qllama.quants import iq4_search
+from qllama.quants import fp4, iq4_search
 
-TYPE_SIZE = {Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34, IQ4_NL: 18}
+TYPE_SIZE = {Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34, IQ4_NL: 18, MXFP4: 17}
 TYPE_SIZE |= {Q2_K: 84, Q3_K: 110, Q4_K: 144, Q5_K: 176, Q6_K: 210}
 # what the stored (unsigned) code is above integer_form's: Q4_0, Q5_0, Q8_0 (as w ^ 0x80);
 # Q3_K and Q6_K (their codes are signed in integer_form); the others have none
-CENTRE = {Q4_0: 8, Q5_0: 16, Q8_0: 128, Q3_K: 4, Q6_K: 32, IQ4_NL: 128}
-# the 32-block formats of the decoding loop: the legacy ones, and IQ4_NL (Q4_0's layout, its
-# nibbles indexing a table of levels, stored plus 128)
-BLOCKS32 = (*LEGACY, IQ4_NL)
+CENTRE = {Q4_0: 8, Q5_0: 16, Q8_0: 128, Q3_K: 4, Q6_K: 32, IQ4_NL: 128, MXFP4: 128}
+# the 32-block formats of the decoding loop: the legacy ones, IQ4_NL (Q4_0's layout, its
+# nibbles indexing a table of levels, stored plus 128) and MXFP4 (IQ4_NL's, its fp16 d one
+# E8M0 byte instead, its table the doubled E2M1 values)
+BLOCKS32 = (*LEGACY, IQ4_NL, MXFP4)
 IQ4_LEVELS = [(int(v) + 128) & 0xFF for v in iq4_search.KVALUES]  # unsigned: levels + 128
+LEVELS = {IQ4_NL: IQ4_LEVELS, MXFP4: [(int(v) + 128) & 0xFF for v in fp4.KVALUES]}
 WITH_M = (Q4_1, Q5_1)  # + m * y.s
 WITH_MINS = (Q2_K, Q4_K, Q5_K)  # - (dmin * y.d) * msum
 SUB32 = (Q4_K, Q5_K)  # sub-blocks of 32 elements (the other K-quants: 16)
@@ -139,12 +144,11 @@ LANE_ORDER = np.array(
 
 
 def _stored_codes(builder: ir.IRBuilder, fmt: int, p: Any) -> Any:
-    """The 32 codes of the block at ``p`` as unsigned bytes (Q8_0: ``w ^ 0x80``; IQ4_NL: its
-    levels plus 128)."""
-    if fmt == IQ4_NL:
-        return _table_lookup(
-            builder, IQ4_LEVELS, _nibbles(builder, load(builder, p, 2, vec(I8, 16)))
-        )
+    """The 32 codes of the block at ``p`` as unsigned bytes (Q8_0: ``w ^ 0x80``; IQ4_NL,
+    MXFP4: their levels plus 128)."""
+    if fmt in LEVELS:
+        qs = load(builder, p, QS_AT[fmt], vec(I8, 16))
+        return _table_lookup(builder, LEVELS[fmt], _nibbles(builder, qs))
     q = _legacy_codes(builder, fmt, p, False)
     return builder.xor(q, splat(I8, 32, 0x80)) if fmt == Q8_0 else q
 
@@ -158,7 +162,8 @@ SMALL_CODES = (Q4_0, Q4_1, Q5_0, Q5_1)
 Q8_SIGNED = PAIRS
 Q8_0_CENTRE = 0 if Q8_SIGNED else CENTRE[Q8_0]
 GEMV_CENTRE = CENTRE | {Q8_0: Q8_0_CENTRE}
-QS_AT = {Q4_0: 2, Q4_1: 4, Q5_0: 6, Q5_1: 8, IQ4_NL: 2}  # where a nibble block's 16 qs bytes start
+# where a nibble block's 16 qs bytes start
+QS_AT = {Q4_0: 2, Q4_1: 4, Q5_0: 6, Q5_1: 8, IQ4_NL: 2, MXFP4: 1}
 QH_AT = {Q5_0: 2, Q5_1: 4}  # its 4 bytes of fifth bits
 
 
@@ -178,8 +183,8 @@ def nibble_codes4(builder: ir.IRBuilder, fmt: int, rows: list[Any], blk: Any) ->
     )
     lo = builder.and_(v, splat(I8, 64, 15))
     hi = builder.and_(builder.lshr(v, splat(I8, 64, 4)), splat(I8, 64, 15))
-    if fmt == IQ4_NL:  # the levels the nibbles index, plus 128
-        lo, hi = (_levels64(builder, codes) for codes in (lo, hi))
+    if fmt in LEVELS:  # the levels the nibbles index, plus 128
+        lo, hi = (_levels64(builder, LEVELS[fmt], codes) for codes in (lo, hi))
     if fmt in QH_AT:
         words = [
             load(builder, rows[r], builder.add(at, i64(QH_AT[fmt])), vec(I8, 4)) for r in range(4)
@@ -204,11 +209,9 @@ def nibble_codes4(builder: ir.IRBuilder, fmt: int, rows: list[Any], blk: Any) ->
     return lo, hi
 
 
-def _levels64(builder: ir.IRBuilder, idx: Any) -> Any:
-    """IQ4_NL's levels plus 128 for 64 indices below 16, 32 at a time."""
-    parts = [
-        _table_lookup(builder, IQ4_LEVELS, pick(builder, idx, range(h, h + 32))) for h in (0, 32)
-    ]
+def _levels64(builder: ir.IRBuilder, table: list[int], idx: Any) -> Any:
+    """``table``'s levels plus 128 for 64 indices below 16, 32 at a time."""
+    parts = [_table_lookup(builder, table, pick(builder, idx, range(h, h + 32))) for h in (0, 32)]
     return shuffle(builder, parts[0], parts[1], range(64))
 
 
@@ -325,7 +328,10 @@ def _legacy_step(
     if centre:
         isum = builder.sub(isum, by_block(cxp, I32))
     words = _block_words(builder, rows, rb, builder.mul(b0, i64(ts)), ts, per_block)
-    d = halves(builder, builder.trunc(words, vec(I16, count)))
+    if fmt == MXFP4:
+        d = _e8m0_halves(builder, builder.and_(words, splat(I32, count, 0xFF)))
+    else:
+        d = halves(builder, builder.trunc(words, vec(I16, count)))
     fi = builder.sitofp(isum, vec(F32, count))
     yd = by_block(ydp, F32)
     if fmt == Q4_0:
@@ -340,6 +346,16 @@ def _legacy_step(
     for b in range(blocks):  # each row's sum, block by block
         sums = builder.fadd(sums, pick(builder, term, list(range(n_rows * b, n_rows * (b + 1)))))
     return sums
+
+
+def _e8m0_halves(builder: ir.IRBuilder, e: Any) -> Any:
+    """MXFP4's scale bytes ``e`` (<n x i32>, below 256) as ``ggml_e8m0_to_fp32_half`` makes
+    them, from the bits: ``0x00200000 << e`` for the subnormals (e < 2), else ``(e - 1) << 23``."""
+    n = e.type.count
+    low = builder.icmp_unsigned("<", e, splat(I32, n, 2))
+    sub = builder.shl(splat(I32, n, 0x00200000), e)
+    normal = builder.shl(builder.sub(e, splat(I32, n, 1)), splat(I32, n, 23))
+    return builder.bitcast(builder.select(low, sub, normal), vec(F32, n))
 
 
 @intrinsic(prefer_literal=True)
@@ -760,7 +776,7 @@ def gemv_legacy(buf, offs, rows, x, simd, threads, out, outs_at, fmt):
     nb = k // 32
     rb = nb * SIZES[fmt]
     with_m = fmt == Q4_1 or fmt == Q5_1
-    centre = 8 if fmt == Q4_0 else 16 if fmt == Q5_0 else 128 if fmt == IQ4_NL else 0
+    centre = 8 if fmt == Q4_0 else 16 if fmt == Q5_0 else 128 if fmt in (IQ4_NL, MXFP4) else 0
     centre = Q8_0_CENTRE if fmt == Q8_0 else centre
     qx, dx, sx, cx = q8_activations(x, simd, with_m, centre)
     for c in prange(threads):

@@ -9,8 +9,11 @@ calls. This module says which kernel computes a format:
   (:func:`streaming`), :mod:`qllama.backends.numpy.kernels.gemv` for few tokens and
   :mod:`qllama.backends.numpy.kernels.gemm` for many, which keep a whole row's accumulators in
   registers and take several weights that share an input in one call;
-* IQ4_NL and IQ4_XS: the streaming kernels of :mod:`qllama.backends.numpy.kernels.gemv` for few
-  tokens, the loops below for many;
+* IQ4_NL, MXFP4 and IQ4_XS: the streaming kernels of :mod:`qllama.backends.numpy.kernels.gemv`
+  for few tokens, the loops below for many; TQ1_0 and TQ2_0 likewise, their few tokens in
+  :mod:`qllama.backends.numpy.kernels.ternary`;
+* NVFP4, Q1_0 and Q2_0: the streaming kernels of :mod:`qllama.backends.numpy.kernels.small`,
+  whatever the number of tokens;
 * the IQ grid formats (IQ2_XXS .. IQ3_S, IQ1_S, IQ1_M): the streaming kernels of
   :mod:`qllama.backends.numpy.kernels.grid`, at every token count;
 * the IQ and table formats: the kernels below, ``kernel(fmt, serial=...)(raw, rows, x, simd,
@@ -21,18 +24,19 @@ per weight row decodes each block in registers (:mod:`qllama.backends.numpy.kern
 its exact integer sums with the tokens' blocks, unsigned by signed (``vpdpbusd``), and combines the
 float32 terms in the order of ggml's generic C, per block in block order.
 
-The ternary formats (TQ1_0, TQ2_0) and the IQ grid formats (IQ2_XXS .. IQ3_S, IQ1_S, IQ1_M,
-which the backend streams instead: the kernels below compute them for tests and measures)
+The IQ grid formats (IQ2_XXS .. IQ3_S, IQ1_S, IQ1_M, which the backend streams instead: the
+kernels below compute them for tests and measures) and the ternary ones (TQ1_0, TQ2_0; few
+tokens: the streaming kernels of :mod:`qllama.backends.numpy.kernels.ternary`)
 decode each super-block once into its signed integers and sub-block scales
 (:mod:`qllama.backends.numpy.kernels.superblocks`), then take plain integer sums with each
 token (:func:`_matmul_iq`): ``(d*y.d) * bsum`` per block in block order (IQ1: ``bsum/8``),
 IQ2's ``0.125 * sumf`` and IQ3_XXS's ``0.25 * sumf`` at the end, as ggml's generic C.
 
-IQ4_NL, MXFP4 and IQ4_XS (the formats whose 4-bit codes index a table of levels) run in the
-32-block loops: each block's levels plus 128 (``decode_levels``) by the activations, minus
-128 times the activations' block sum; IQ4_XS's activations are Q8_K (its 256-block ``d``
-shared by the eight 32-blocks, the block sums from its ``bsums``) and each of its 32-blocks
-adds ``((d*y.d)*(ls - 32))*isum``, as ggml's generic C does.
+IQ4_NL, MXFP4 and IQ4_XS (the formats whose 4-bit codes index a table of levels) run many
+tokens in the 32-block loops: each block's levels plus 128 (``decode_levels``) by the
+activations, minus 128 times the activations' block sum; IQ4_XS's activations are Q8_K
+(its 256-block ``d`` shared by the eight 32-blocks, the block sums from its ``bsums``) and
+each of its 32-blocks adds ``((d*y.d)*(ls - 32))*isum``, as ggml's generic C does.
 
 Few tokens (decoding): rows in groups of 4, each row's blocks 16 at a time against one
 token. Many tokens (prefill, teacher forcing): each weight block is decoded once and meets
@@ -48,7 +52,7 @@ from typing import Any
 import numpy as np
 from numba import njit, prange
 
-from qllama.backends.numpy.kernels import gemm, gemv, grid, superblocks
+from qllama.backends.numpy.kernels import gemm, gemv, grid, small, superblocks, ternary
 from qllama.backends.numpy.kernels.quantize import TOKEN_TILE, q8_row, q8k_row
 from qllama.backends.numpy.kernels.simd import (
     IQ4_NL,
@@ -60,7 +64,6 @@ from qllama.backends.numpy.kernels.simd import (
     bits_float,
     decode_levels,
     dots,
-    float_bits,
     half_to_float,
     lanes8,
     token_dots,
@@ -68,7 +71,6 @@ from qllama.backends.numpy.kernels.simd import (
 )
 from qllama.ggml_types import GGMLType
 from qllama.jit import INLINE, JIT, named_kernel
-from qllama.quants import fp4
 
 F32 = np.float32
 IQ = superblocks.FORMATS  # IQ grids and ternary: one integer sum a 256-block (superblocks.py)
@@ -478,108 +480,6 @@ def _iq_tiles(raw, fmt, r0, r1, xw, tpad, dxt, out):
             _unstage(stage, at + 1, out, r - at)
 
 
-# --- Q8_0 formats of 16-blocks or of runs of 32-blocks: NVFP4, Q1_0, Q2_0 ----------------------
-
-NVFP4, Q1_0, Q2_0 = (int(GGMLType[n]) for n in ("NVFP4", "Q1_0", "Q2_0"))
-SMALL = (NVFP4, Q1_0, Q2_0)
-FP4_LEVELS = np.ascontiguousarray(fp4.KVALUES.astype(np.int32))  # MXFP4's doubled E2M1
-UE4M3_HALF = np.ascontiguousarray(fp4.UE4M3_HALF)  # NVFP4's scale byte -> half its value
-
-
-@njit(**INLINE)
-def _small_geometry(fmt):
-    """Bytes of a weight block and the 32-blocks of activations it spans."""
-    if fmt == NVFP4:
-        return 36, 2
-    if fmt == Q1_0:
-        return 18, 4
-    return 18, 2  # Q2_0
-
-
-@njit(**INLINE)
-def _small_decode(raw, off, fmt, q):
-    """The block at ``off``'s integers into ``q`` (64 or 128 int32)."""
-    if fmt == NVFP4:  # qs[8s + j]: low nibble value 16s + j, high 16s + 8 + j
-        for s in range(4):
-            for j in range(8):
-                byte = int(raw[off + 4 + 8 * s + j])
-                q[16 * s + j] = FP4_LEVELS[byte & 15]
-                q[16 * s + 8 + j] = FP4_LEVELS[byte >> 4]
-    elif fmt == Q1_0:  # bit j % 8 of qs[j // 8]: +1, else -1
-        for j in range(128):
-            q[j] = 2 * ((int(raw[off + 2 + j // 8]) >> (j % 8)) & 1) - 1
-    else:  # Q2_0: bits 2(j % 4) of qs[j // 4], minus 1
-        for j in range(64):
-            q[j] = ((int(raw[off + 2 + j // 4]) >> (2 * (j % 4))) & 3) - 1
-
-
-@njit(**INLINE)
-def _matmul_small(raw, fmt, rows, x, simd, threads):
-    """``x @ W.T`` in ggml's CPU arithmetic for NVFP4 / Q1_0 / Q2_0 weights: Q8_0
-    activations; NVFP4 adds ``(d*y.d)*isum`` per 16-block in order (two share a ``y.d``),
-    Q1_0 and Q2_0 ``d * inner`` per weight block, ``inner`` the float32 sum from 0 of
-    ``y.d*isum`` over the 32-blocks it spans, as the oracle's ``group``."""
-    tokens, k = x.shape
-    nb = k // 32
-    qx = np.empty(tokens * k, np.int8)
-    dx = np.empty((tokens, nb), np.float32)
-    sx = np.zeros((tokens, nb), np.float32)
-    flat = x.reshape(-1)
-    for t in prange(tokens):
-        q8_row(flat, t, k, simd, False, qx, dx, sx)
-    out = np.empty((tokens, rows), np.float32)
-    chunks = max(1, min(rows, threads))
-    for c in prange(chunks):
-        r0, r1 = c * rows // chunks, (c + 1) * rows // chunks
-        _small_rows(raw, fmt, r0, r1, qx, dx, out)
-    return out
-
-
-@njit(**JIT)
-def _small_rows(raw, fmt, r0, r1, qx, dx, out):
-    """Per row, each weight block decoded once, then its sums with every token."""
-    tokens, nb = dx.shape
-    k = nb * 32
-    ts, span = _small_geometry(fmt)
-    wb = nb // span  # weight blocks a row
-    q = np.empty(128, np.int32)
-    acc = np.empty(tokens, np.float32)
-    for r in range(r0, r1):
-        acc[:] = 0
-        for b in range(wb):
-            off = (r * wb + b) * ts
-            _small_decode(raw, off, fmt, q)
-            for t in range(tokens):
-                xo = t * k + b * span * 32
-                if fmt == NVFP4:
-                    for s in range(4):
-                        isum = 0
-                        for j in range(16):
-                            isum += q[16 * s + j] * qx[xo + 16 * s + j]
-                        d = UE4M3_HALF[raw[off + s]]
-                        acc[t] += (d * dx[t, b * span + s // 2]) * np.float32(isum)
-                else:
-                    inner = F32(0)
-                    for a in range(span):
-                        isum = 0
-                        for j in range(32):
-                            isum += q[32 * a + j] * qx[xo + 32 * a + j]
-                        inner += dx[t, b * span + a] * np.float32(isum)
-                    acc[t] += _small_d(raw, off, fmt) * inner
-        for t in range(tokens):
-            out[t, r] = acc[t]
-
-
-@njit(**INLINE)
-def _small_d(raw, off, fmt):
-    """Q1_0 / Q2_0's fp16 ``d``; Q1_0's a quiet NaN where the bits are a NaN (its unpack
-    quiets a signalling one, as ggml's widening multiply does)."""
-    d = half_to_float(raw, off)
-    if fmt == Q1_0 and np.isnan(d):
-        d = bits_float(np.int32(float_bits(d) | 0x00400000))
-    return d
-
-
 # One kernel per weight format, the format a constant and every branch on it folded away:
 # a branch at run time costs more than it seems (LLVM merges the formats' stores into one
 # place, then decodes every format to select one: 5x slower on K-quant headers).
@@ -597,32 +497,32 @@ def _iq_kernel(fmt: int, parallel: bool) -> Any:
     return named_kernel(kernel, "matmul", fmt, parallel)
 
 
-def _small_kernel(fmt: int, parallel: bool) -> Any:
-    def kernel(raw, rows, x, simd, threads):
-        return _matmul_small(raw, fmt, rows, x, simd, threads)
-
-    return named_kernel(kernel, "matmul", fmt, parallel)
-
-
 # Each format parallel over weight rows (numba's threads) and serial: a parallel region has
 # every thread meet at its end, which costs more than a small matmul on one thread, and
 # much more when the machine is busy and a thread is waiting for a core.
 KERNELS = {fmt: (_table_kernel(fmt, True), _table_kernel(fmt, False)) for fmt in TABLE_FORMATS}
 KERNELS.update({fmt: (_iq_kernel(fmt, True), _iq_kernel(fmt, False)) for fmt in IQ})
-KERNELS.update({fmt: (_small_kernel(fmt, True), _small_kernel(fmt, False)) for fmt in SMALL})
 
 
-# Fewer tokens than this: each weight row streamed once per token (kernels/gemv.py); as many or
-# more: tiles of 16 tokens per decoded block (kernels/gemm.py). Measured crossovers on 2048 x 8192
-# weights, 2 threads: 4 tokens for the 32-blocks, 6 to 12 for the K-quants. IQ4_NL and IQ4_XS have
-# no token tiles of their own yet: as many tokens or more go to their loops below.
-GEMM_TOKENS = {**{fmt: 4 for fmt in LEGACY}, **{fmt: 8 for fmt in KQUANTS}, IQ4_XS: 8, IQ4_NL: 4}
-# The IQ grid formats stream at every token count (kernels/grid.py: a row decoded once per 16
-# tokens), measured faster than their tile loops below from 16 to 256 tokens (8192 x 2048
-# IQ2_XXS and IQ1_M, one thread, CPU time: 3.1x at 16, 1.7x at 64, 1.2-1.3x at 256)
+# Fewer tokens than this: each weight row streamed once per token (kernels/gemv.py,
+# kernels/ternary.py, kernels/small.py, kernels/grid.py); as many or more: tiles of 16 tokens per
+# decoded block (kernels/gemm.py) or, for the formats without, the loops below. Measured
+# crossovers on 2048 x 8192 weights, 2 threads: 4 tokens for the 32-blocks, 6 to 12 for the
+# K-quants. IQ4_NL and IQ4_XS have no token tiles of gemm.py: as many tokens or more go to their
+# loops below. MXFP4 (gate and down of a 1B shape, 1 thread, CPU time): its streaming kernel
+# 5.1 / 10.0 / 19.3 ms at 4 / 8 / 16 tokens, its loops 10.0 / 16.4 / 12.6 (token tiles from 16).
+# The ternary formats: streaming 11 / 44 ms (TQ2_0) and 23 / 89 (TQ1_0) at 16 / 64 tokens, their
+# loops 54 / 101 and 57 / 105. NVFP4, Q1_0, Q2_0 stream at any count (the loops they had here
+# decoded each block for each token: Q1_0 at 64 tokens took 1054 ms, streaming 111). The IQ grid
+# formats stream at every count too (a row decoded once per 16 tokens), measured faster than
+# their tile loops below from 16 to 256 tokens (8192 x 2048 IQ2_XXS and IQ1_M, one thread, CPU
+# time: 3.1x at 16, 1.7x at 64, 1.2-1.3x at 256).
 STREAM_ALWAYS = 1 << 62
+GEMM_TOKENS = {**{fmt: 4 for fmt in LEGACY}, **{fmt: 8 for fmt in KQUANTS}, IQ4_XS: 8}
+GEMM_TOKENS |= {IQ4_NL: 4, MXFP4: TOKEN_TILE}
+GEMM_TOKENS |= {fmt: 64 for fmt in ternary.FORMATS} | {fmt: STREAM_ALWAYS for fmt in small.FORMATS}
 GEMM_TOKENS |= {fmt: STREAM_ALWAYS for fmt in grid.FORMATS}
-GEMV_KERNELS = {**gemv.KERNELS, **grid.KERNELS}
+DECODING = gemv.KERNELS | ternary.KERNELS | small.KERNELS | grid.KERNELS
 
 
 def streaming(fmt: int, tokens: int, *, serial: bool) -> Any | None:
@@ -633,7 +533,7 @@ def streaming(fmt: int, tokens: int, *, serial: bool) -> Any | None:
     row-major (T, rows[i])."""
     if fmt not in GEMM_TOKENS:
         return None
-    kernels = gemm.KERNELS if tokens >= GEMM_TOKENS[fmt] else GEMV_KERNELS
+    kernels = gemm.KERNELS if tokens >= GEMM_TOKENS[fmt] else DECODING
     return kernels[fmt][1 if serial else 0] if fmt in kernels else None
 
 
