@@ -49,6 +49,7 @@ from qllama.backends.numpy.kernels.llvm_ir import (
     I32,
     I64,
     PAIRS,
+    blocks_loop,
     broadcast,
     byte_ptr,
     consts,
@@ -406,10 +407,7 @@ def legacy_rows(
             return body
 
         sums = ir.Constant(vec(F32, n), [ir.Constant(F32, 0.0)] * n)
-        by4, by2 = builder.and_(nb_v, i64(~3)), builder.and_(nb_v, i64(~1))
-        (sums,) = counted_loop(builder, i64(0), by4, [sums], steps(4), step=4)
-        (sums,) = counted_loop(builder, by4, by2, [sums], steps(2), step=2)
-        (sums,) = counted_loop(builder, by2, nb_v, [sums], steps(1))
+        (sums,) = blocks_loop(builder, nb_v, [sums], steps, (4, 2, 1))
         o = data_ptr(context, builder, sig.args[9], args[9])
         store(builder, sums, o, builder.mul(args[10], i64(4)))
         return context.get_dummy_value()

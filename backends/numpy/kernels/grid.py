@@ -39,7 +39,6 @@ from numba.extending import intrinsic
 from qllama.backends.numpy.kernels.gemv import PREFETCH, _chunk, q8k_rows
 from qllama.backends.numpy.kernels.llvm_ir import (
     F32,
-    I1,
     I8,
     I16,
     I32,
@@ -48,6 +47,7 @@ from qllama.backends.numpy.kernels.llvm_ir import (
     counted_loop,
     data_ptr,
     declare,
+    gather,
     halves,
     i64,
     load,
@@ -116,21 +116,7 @@ def _gather(builder: ir.IRBuilder, base: Any, index: Any, width: int) -> Any:
     """The grid points ``index`` (<n x i32>) of the table at ``base``, ``width`` bytes each
     (4 or 8): <n*width x i8>, the points' bytes in order."""
     n = index.type.count
-    elem = ir.IntType(8 * width)
-    offsets = builder.mul(index, splat(I32, n, width))
-    # a vector GEP of 32-bit offsets (llvmlite types a GEP by its pointer only)
-    gep = ir.instructions.GEPInstr(builder.block, base, [offsets], False, "", source_etype=I8)
-    gep.type = vec(I8.as_pointer(), n)
-    builder._insert(gep)
-    ptrs = builder.bitcast(gep, vec(elem.as_pointer(), n))
-    fn = declare(
-        builder,
-        f"llvm.masked.gather.v{n}i{8 * width}.v{n}p0",
-        vec(elem, n),
-        [vec(elem.as_pointer(), n), I32, vec(I1, n), vec(elem, n)],
-    )
-    every = ir.Constant(vec(I1, n), [ir.Constant(I1, 1)] * n)
-    words = builder.call(fn, [ptrs, ir.Constant(I32, 1), every, ir.Constant(vec(elem, n), None)])
+    words = gather(builder, base, builder.mul(index, splat(I32, n, width)), ir.IntType(8 * width))
     return builder.bitcast(words, vec(I8, n * width))
 
 

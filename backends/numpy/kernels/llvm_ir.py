@@ -144,6 +144,24 @@ def counted_loop(
     return list(phis)
 
 
+def blocks_loop(
+    builder: ir.IRBuilder,
+    n: Any,
+    carried: Sequence[Any],
+    steps: Callable[[int], Callable[[Any, list[Any]], list[Any]]],
+    widths: Sequence[int],
+) -> list[Any]:
+    """The blocks ``0 .. n`` (an i64) in order, ``widths[0]`` a step while that many are left,
+    then ``widths[1]``, ... (powers of 2, descending, the last 1): ``steps(w)`` is the body of
+    a step of ``w`` blocks (:func:`counted_loop`'s), the values carried through all of them."""
+    start, values = i64(0), list(carried)
+    for w in widths:
+        stop = n if w == 1 else builder.and_(n, i64(-w))
+        values = counted_loop(builder, start, stop, values, steps(w), step=w)
+        start = stop
+    return values
+
+
 def prefetch(builder: ir.IRBuilder, base: Any, off: Any) -> None:
     """Ask for the cache line at ``base`` + ``off`` bytes (``prefetcht0``; never faults)."""
     fn = declare(builder, "llvm.prefetch.p0", ir.VoidType(), [I8.as_pointer(), I32, I32, I32])
@@ -161,20 +179,29 @@ def gather_dwords(builder: ir.IRBuilder, base: Any, offsets: Any) -> Any:
         off = builder.sext(builder.extract_element(offsets, ir.Constant(I32, 0)), I64)
         word = load(builder, base, off, I32)
         return builder.insert_element(ir.Constant(vec(I32, 1), None), word, ir.Constant(I32, 0))
-    # a vector GEP of 32-bit offsets: one vpgatherdd (64-bit ones would take two); llvmlite
+    return gather(builder, base, offsets, I32)
+
+
+def gather(builder: ir.IRBuilder, base: Any, offsets: Any, elem: ir.IntType) -> Any:
+    """The little-endian ``elem`` words at ``base`` + ``offsets[j]`` bytes, ``offsets`` an
+    <n x i32> value: <n x elem>, one masked gather (``vpgatherdd``/``vpgatherdq`` where the
+    host has AVX512; LLVM splits it into loads elsewhere)."""
+    n = offsets.type.count
+    # a vector GEP of 32-bit offsets: one gather (64-bit ones would take two); llvmlite
     # types a GEP by its pointer only, so the vector result type is set here
     gep = ir.instructions.GEPInstr(builder.block, base, [offsets], False, "", source_etype=I8)
     gep.type = vec(I8.as_pointer(), n)
     builder._insert(gep)
-    ptrs = builder.bitcast(gep, vec(I32.as_pointer(), n))
+    ptrs = builder.bitcast(gep, vec(elem.as_pointer(), n))
+    bits = elem.width
     fn = declare(
         builder,
-        f"llvm.masked.gather.v{n}i32.v{n}p0",
-        vec(I32, n),
-        [vec(I32.as_pointer(), n), I32, vec(I1, n), vec(I32, n)],
+        f"llvm.masked.gather.v{n}i{bits}.v{n}p0",
+        vec(elem, n),
+        [vec(elem.as_pointer(), n), I32, vec(I1, n), vec(elem, n)],
     )
     every = ir.Constant(vec(I1, n), [ir.Constant(I1, 1)] * n)
-    return builder.call(fn, [ptrs, ir.Constant(I32, 1), every, ir.Constant(vec(I32, n), None)])
+    return builder.call(fn, [ptrs, ir.Constant(I32, 1), every, ir.Constant(vec(elem, n), None)])
 
 
 def halves(builder: ir.IRBuilder, h: Any) -> Any:

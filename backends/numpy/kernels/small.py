@@ -48,8 +48,8 @@ from qllama.backends.numpy.kernels.llvm_ir import (
     I16,
     I32,
     I64,
+    blocks_loop,
     byte_ptr,
-    counted_loop,
     data_ptr,
     dot4,
     fsum_in_order,
@@ -210,9 +210,7 @@ def small_row(
             return body
 
         nb_v, acc = args[2], ir.Constant(F32, 0.0)
-        by = builder.and_(nb_v, i64(-STEP[f]))
-        (acc,) = counted_loop(builder, i64(0), by, [acc], steps(STEP[f]), step=STEP[f])
-        (acc,) = counted_loop(builder, by, nb_v, [acc], steps(1))
+        (acc,) = blocks_loop(builder, nb_v, [acc], steps, (STEP[f], 1))
         o = data_ptr(context, builder, sig.args[9], args[9])
         store(builder, acc, o, builder.mul(args[10], i64(4)))
         return context.get_dummy_value()

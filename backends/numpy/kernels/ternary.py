@@ -39,8 +39,8 @@ from qllama.backends.numpy.kernels.llvm_ir import (
     I8,
     I16,
     I32,
+    blocks_loop,
     byte_ptr,
-    counted_loop,
     data_ptr,
     fsum_in_order,
     halves,
@@ -182,10 +182,7 @@ def ternary_row(
             return body
 
         nb_v, acc = args[2], ir.Constant(F32, 0.0)
-        by4, by2 = builder.and_(nb_v, i64(~3)), builder.and_(nb_v, i64(~1))
-        (acc,) = counted_loop(builder, i64(0), by4, [acc], steps(4), step=4)
-        (acc,) = counted_loop(builder, by4, by2, [acc], steps(2), step=2)
-        (acc,) = counted_loop(builder, by2, nb_v, [acc], steps(1))
+        (acc,) = blocks_loop(builder, nb_v, [acc], steps, (4, 2, 1))
         o = data_ptr(context, builder, sig.args[8], args[8])
         store(builder, acc, o, builder.mul(args[9], i64(4)))
         return context.get_dummy_value()
