@@ -104,19 +104,29 @@ def attention_scores(backend: Backend, q: Any, k: Any) -> Any:
     return xp.matmul(q, xp.permute_dims(k, (0, 2, 1)))
 
 
-# The glue a backend may compute (:func:`glue`), each with the signature and the numbers of
-# the model's array-API form: rms_norm(x, w, eps); rope(x, cos, sin), adjacent pairs;
-# swiglu(gate, up) = silu(gate) * up; masked_softmax(scores, scale, mask) = softmax(scores *
-# scale + mask) over the last axis, terms below scores.NEGLIGIBLE dropped; attention(q, k, v,
-# mask, scale): queries (t, n_head, hd) over a KV head's cached keys (n_kv, S, hd) and values
-# (n_kv, S, hd_v), query head h reading KV head h // (n_head / n_kv), scores by
-# attention_scores, then masked_softmax, then P V: (t, n_head * hd_v).
-# Then a mixture's router ops, ggml's as llama.cpp's build_moe_ffn calls them, with the
-# numbers of the backend's arithmetic (the CPU one: ggml's CPU ops bit for bit), else of
-# the array-API form: soft_max(x) over the last axis of x (T, n), no scale, no mask
-# (router_softmax: exp(x - max) times the reciprocal of the sum); sum_rows(x), x (T, k) ->
-# (T, 1) (row_sum: the namespace's float32 sum; ggml's CPU adds in order in double)
-GLUE_OPS = ("rms_norm", "rope", "swiglu", "masked_softmax", "attention", "soft_max", "sum_rows")
+# The glue a backend may compute (:func:`glue`), each with the signature and the numbers of the
+# model's array-API form: rms_norm(x, w, eps); rope(x, cos, sin), adjacent pairs; rope_halves(x,
+# cos, sin), the pairs (i, i + n_rot/2); swiglu(gate, up) = silu(gate) * up;
+# masked_softmax(scores, scale, mask) = softmax(scores * scale + mask) over the last axis, terms
+# below scores.NEGLIGIBLE dropped; attention(q, k, v, mask, scale): queries (t, n_head, hd) over
+# a KV head's cached keys (n_kv, S, hd) and values (n_kv, S, hd_v), query head h reading KV
+# head h // (n_head / n_kv), scores by attention_scores, then masked_softmax, then P V:
+# (t, n_head * hd_v).
+# Then a mixture's router ops, ggml's as llama.cpp's build_moe_ffn calls them, with the numbers of
+# the backend's arithmetic (the CPU one: ggml's CPU ops bit for bit), else of the array-API form:
+# soft_max(x) over the last axis of x (T, n), no scale, no mask (router_softmax: exp(x - max)
+# times the reciprocal of the sum); sum_rows(x), x (T, k) -> (T, 1) (row_sum: the namespace's
+# float32 sum; ggml's CPU adds in order in double)
+GLUE_OPS = (
+    "rms_norm",
+    "rope",
+    "rope_halves",
+    "swiglu",
+    "masked_softmax",
+    "attention",
+    "soft_max",
+    "sum_rows",
+)
 
 
 def glue(backend: Backend, op: str) -> Callable[..., Any] | None:

@@ -7,11 +7,37 @@ Imported only where numba is installed.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from numba import njit
 
 from qllama.ggml_types import GGMLType
+
+
+def _without_scipy_blas() -> None:
+    """Load numba's array registry without scipy's BLAS. When numba first compiles or loads a
+    function, its ``numba.np.arraymath`` asks whether ``np.dot`` could call BLAS by importing
+    ``scipy.linalg.cython_blas``, which maps scipy's OpenBLAS: 28 MB resident for the life of
+    the process (measured: docs/bench-moe.md). No compiled piece of qllama calls BLAS, so the
+    question is answered no while that module loads; numba's ``np.dot`` (and what else needs
+    BLAS) still finds it later, when it compiles one. Nothing is done where the registry is
+    already loaded."""
+    if "numba.np.arraymath" in sys.modules:
+        return
+    from numba.np import linalg
+
+    def no_blas() -> None:
+        raise ImportError("qllama's kernels call no BLAS")
+
+    ensure_blas, linalg.ensure_blas = linalg.ensure_blas, no_blas
+    try:
+        import numba.np.arraymath  # noqa: F401
+    finally:
+        linalg.ensure_blas = ensure_blas
+
+
+_without_scipy_blas()
 
 # Cached on disk; IEEE division (x/0 is inf or NaN, as in C), not Python's exception.
 JIT: dict[str, Any] = {"cache": True, "error_model": "numpy"}

@@ -1,7 +1,8 @@
-"""The router's ops in the CPU arithmetic (qllama.backends.numpy.router) against ggml's own
-code, compiled here: ``ggml_v_expf`` (AVX2 and AVX-512) and ``ggml_vec_soft_max_f32``'s SIMD
-blocks (8 lanes with AVX2, 16 with AVX-512F/DQ) and scalar loop, and ``ggml_vec_sum_f32``
-(``sum_rows``), copied from vendor/llama.cpp's ggml-cpu (vec.h, vec.cpp, ops.cpp), bit for bit.
+"""The router's ops in the CPU arithmetic (qllama.backends.numpy.router, and their compiled
+form in qllama.backends.numpy.kernels.router) against ggml's own code, compiled here:
+``ggml_v_expf`` (AVX2 and AVX-512) and ``ggml_vec_soft_max_f32``'s SIMD blocks (8 lanes with
+AVX2, 16 with AVX-512F/DQ) and scalar loop, and ``ggml_vec_sum_f32`` (``sum_rows``), copied
+from vendor/llama.cpp's ggml-cpu (vec.h, vec.cpp, ops.cpp), bit for bit.
 
 Skipped where no C compiler is installed or the CPU lacks the build's instructions (AVX2 and
 FMA; AVX-512F and AVX-512DQ).
@@ -14,7 +15,9 @@ import dataclasses
 import itertools
 import shutil
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -246,47 +249,99 @@ def exp_arguments(width: int) -> np.ndarray:
     return x[: len(x) // width * width]
 
 
-def test_v_expf_avx2_is_ggmls(ggml: ctypes.CDLL) -> None:
+def _compiled(name: str) -> Callable[..., Any]:
+    """The numpy backend's compiled form of router op ``name`` (skips without numba)."""
+    pytest.importorskip("numba")
+    from qllama.backends.numpy import glue as numpy_glue
+
+    return {"soft_max": numpy_glue.router_soft_max, "sum_rows": numpy_glue.router_sum_rows}[name]
+
+
+def _compiled_lanes(width: int) -> Callable[[np.ndarray], np.ndarray]:
+    """The compiled kernels' ggml_v_expf of the ``width``-lane build, lane by lane."""
+    numba = pytest.importorskip("numba")
+    from qllama.backends.numpy.kernels.router import v_expf
+
+    @numba.njit
+    def lanes(x: np.ndarray, w: int) -> np.ndarray:
+        out = np.empty_like(x)
+        for i in range(x.shape[0]):
+            out[i] = v_expf(x[i], w)
+        return out
+
+    return lambda x: lanes(x, width)
+
+
+# each router op as numpy code (qllama.backends.numpy.router) and compiled (its kernels)
+IMPLS = ["numpy", "numba"]
+
+
+def soft_max_of(impl: str) -> Callable[..., np.ndarray]:
+    return router.soft_max if impl == "numpy" else _compiled("soft_max")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_v_expf_avx2_is_ggmls(ggml: ctypes.CDLL, impl: str) -> None:
     x = exp_arguments(8)
     want = np.empty_like(x)
     for a in range(0, len(x), 8):
         ggml.v_expf8(_ptr(x[a:]), _ptr(want[a:]))
-    got = router.v_expf_avx2(x)
+    got = router.v_expf_avx2(x) if impl == "numpy" else _compiled_lanes(8)(x)
     np.testing.assert_array_equal(got.view(np.int32), want.view(np.int32))
 
 
-def test_v_expf_avx512_is_ggmls(ggml512: ctypes.CDLL) -> None:
+@pytest.mark.parametrize("impl", IMPLS)
+def test_v_expf_avx512_is_ggmls(ggml512: ctypes.CDLL, impl: str) -> None:
     """Subnormal results (scalef rounds once, as ldexp), lanes past |n| > 192 and infinities."""
     x = np.concatenate([exp_arguments(16), np.float32([np.inf, -np.inf, 88.5, 89.0] * 4)])
     want = np.empty_like(x)
     for a in range(0, len(x), 16):
         ggml512.v_expf16(_ptr(x[a:]), _ptr(want[a:]))
-    got = router.v_expf_avx512(x)
+    got = router.v_expf_avx512(x) if impl == "numpy" else _compiled_lanes(16)(x)
     assert (want[(want > 0) & (want < np.finfo(np.float32).tiny)]).size > 100  # subnormals
     np.testing.assert_array_equal(got.view(np.int32), want.view(np.int32))
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("simd", [True, False], ids=["avx2", "scalar"])
 @pytest.mark.parametrize("n", [4, 8, 15, 32, 60, 128])
-def test_soft_max_is_ggmls(ggml: ctypes.CDLL, n: int, simd: bool) -> None:
+def test_soft_max_is_ggmls(ggml: ctypes.CDLL, n: int, simd: bool, impl: str) -> None:
     x = rows(n, n)
     want = np.empty_like(x)
     for r in range(x.shape[0]):
         ggml.soft_max_row(n, _ptr(x[r]), _ptr(want[r]), int(simd))
-    got = router.soft_max(x, simd=simd, width=8)
+    got = soft_max_of(impl)(x, simd=simd, width=8)
     np.testing.assert_array_equal(got.view(np.int32), want.view(np.int32))
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("n", [4, 15, 16, 17, 32, 60, 128])
-def test_soft_max_avx512_is_ggmls(ggml512: ctypes.CDLL, n: int) -> None:
+def test_soft_max_avx512_is_ggmls(ggml512: ctypes.CDLL, n: int, impl: str) -> None:
     x = rows(n, n)
     want = np.empty_like(x)
     for r in range(x.shape[0]):
         ggml512.soft_max_row16(n, _ptr(x[r]), _ptr(want[r]))
-    got = router.soft_max(x, simd=True, width=16)
+    soft_max = soft_max_of(impl)
+    got = soft_max(x, simd=True, width=16)
     np.testing.assert_array_equal(got.view(np.int32), want.view(np.int32))
     if n >= 16:  # another build's blocks: not the same bits (the test data tells them apart)
-        assert not np.array_equal(got, router.soft_max(x, simd=True, width=8))
+        assert not np.array_equal(got, soft_max(x, simd=True, width=8))
+
+
+@pytest.mark.parametrize("width", [8, 16])
+@pytest.mark.parametrize("simd", [True, False], ids=["simd", "scalar"])
+def test_the_compiled_soft_max_is_the_numpy_codes(simd: bool, width: int) -> None:
+    """Both forms on rows of every length to 40 and on NaN and infinite logits (no C
+    compiler or SIMD instructions needed): the same bits."""
+    compiled = _compiled("soft_max")
+    for n in range(1, 41):
+        x = rows(n, 100 + n)
+        x[0, n // 2] = np.nan
+        x[1, n - 1] = np.inf
+        x[2, 0] = -np.inf
+        with np.errstate(invalid="ignore"):
+            want = router.soft_max(x, simd=simd, width=width)
+        np.testing.assert_array_equal(compiled(x, simd=simd, width=width), want)
 
 
 def weight_rows(k: int, seed: int) -> np.ndarray:
@@ -297,14 +352,15 @@ def weight_rows(k: int, seed: int) -> np.ndarray:
     return np.ascontiguousarray(-np.sort(-p, axis=-1)[:, :k])
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("k", [1, 2, 3, 4, 6, 8, 16, 60])
-def test_sum_rows_is_ggmls(ggml_sum: ctypes.CDLL, k: int) -> None:
+def test_sum_rows_is_ggmls(ggml_sum: ctypes.CDLL, k: int, impl: str) -> None:
     """ggml's sum_rows adds in order in double; a float32 sum differs from it for k > 2 on
     some of these rows (asserted, so that this test tells them apart)."""
     x = weight_rows(k, k)
     want = np.empty(x.shape[0], np.float32)
     ggml_sum.sum_rows(x.shape[0], k, _ptr(x), _ptr(want))
-    got = router.sum_rows(x)
+    got = router.sum_rows(x) if impl == "numpy" else _compiled("sum_rows")(x)
     assert got.shape == (x.shape[0], 1)
     np.testing.assert_array_equal(got[:, 0].view(np.int32), want.view(np.int32))
     single = row_sum(x, xp=np)[:, 0]
@@ -333,7 +389,8 @@ def test_the_cpu_arithmetic_routes_with_them(tmp_path: Path) -> None:
         want = router.soft_max(x, simd=rounding == "simd", width=width)
         np.testing.assert_array_equal(q8.gate_softmax(x), want)
         np.testing.assert_array_equal(glue(q8.backend, "soft_max")(x), want)
-        assert q8.gate_sum is glue(q8.backend, "sum_rows") is router.sum_rows
+        assert q8.gate_sum is glue(q8.backend, "sum_rows")
+        np.testing.assert_array_equal(q8.gate_sum(x), router.sum_rows(x))
     f32 = qllama.load(path, backend="numpy", activations="f32")
     assert glue(f32.backend, "soft_max") is None and glue(f32.backend, "sum_rows") is None
     np.testing.assert_array_equal(f32.gate_softmax(x), router_softmax(x, xp=np))

@@ -93,16 +93,18 @@ def test_rms_norm_per_head(ops):
     same_bits(ops.rms_norm(x, w, 1e-6), forms.rms_norm(x, w, 1e-6, xp=np))
 
 
+@pytest.mark.parametrize("layout", ["rope", "rope_halves"])
 @pytest.mark.parametrize("shape", [(1, 9, 64), (1, 3, 64), (37, 9, 64), (4, 2, 32), (3, 1, 2)])
-def test_rope(ops, shape):
+def test_rope(ops, shape, layout):
     rng = np.random.default_rng(shape[0])
     T, _, D = shape
     x = rng.standard_normal(shape).astype(F32)
     cos, sin = forms.rope_tables(T + 40, D, 10000.0, xp=np)
     cos, sin = cos[40:], sin[40:]  # (T, D/2) at positions 40 ...
-    same_bits(ops.rope(x, cos, sin), forms.rope(x, cos, sin, xp=np))
+    op, form = getattr(ops, layout), getattr(forms, layout)
+    same_bits(op(x, cos, sin), form(x, cos, sin, xp=np))
     part = x[..., : D // 2 * 2]  # a strided view (partial rotary)
-    same_bits(ops.rope(part, cos, sin), forms.rope(part, cos, sin, xp=np))
+    same_bits(op(part, cos, sin), form(part, cos, sin, xp=np))
 
 
 @needs_simd_exp

@@ -216,6 +216,9 @@ class Slabs:
     offsets: np.ndarray  # int64 (n_expert,)
     rows: int  # of each expert
     row_length: int
+    # the experts whose kernels_exact held: each is checked once, when first chosen (the check
+    # reads its slab)
+    exact: set[int] = field(default_factory=set, compare=False, repr=False)
 
     @classmethod
     def of(cls, experts: Sequence[Any]) -> Slabs | None:
@@ -351,6 +354,9 @@ class NumpyBackend(ArrayBackend):
         self.blas_threads = blas_threads
         self._blas_limited = False
         self._kernel_state: tuple[int, Any, int] | None = None  # thread id, module, threads
+        # the last selection's grouping (:meth:`_grouped`): its key, then what it gives
+        self._grouping: tuple[tuple[Any, ...], tuple[np.ndarray, np.ndarray, list[int]]] | None
+        self._grouping = None
 
     def describe(self) -> str:
         """The arithmetic, and what computes it: the compiled kernels and their threads, or
@@ -416,8 +422,8 @@ class NumpyBackend(ArrayBackend):
 
     def glue(self, op: str) -> Callable[..., Any] | None:
         """This backend's form of the model's glue op ``op`` (:func:`~qllama.backends.base.glue`):
-        in the CPU arithmetic the router's ops as ggml's CPU computes them (numpy code, with or
-        without the kernels); the compiled form of the others with the numba kernels, where
+        in the CPU arithmetic the router's ops as ggml's CPU computes them (compiled with the
+        kernels, numpy code without); the compiled form of the others with the numba kernels, where
         they give this numpy's bits (``glue_exact``); else None."""
         if op in ROUTER_OPS:
             return self._router_ops().get(op)
@@ -438,9 +444,14 @@ class NumpyBackend(ArrayBackend):
         if not self._q8:
             return {}
         simd = self.activation_rounding == "simd"
+        soft_max, sum_rows = router.soft_max, router.sum_rows
+        if self.kernels == "numba":  # the same bits in one compiled call each
+            from qllama.backends.numpy import glue
+
+            soft_max, sum_rows = glue.router_soft_max, glue.router_sum_rows
         return {
-            "soft_max": functools.partial(router.soft_max, simd=simd, width=self.simd_width),
-            "sum_rows": router.sum_rows,
+            "soft_max": functools.partial(soft_max, simd=simd, width=self.simd_width),
+            "sum_rows": sum_rows,
         }
 
     def embedding(self, ids: Any, w: Packed | Dense) -> Any:  # type: ignore[override]
@@ -534,10 +545,11 @@ class NumpyBackend(ArrayBackend):
         slabs = self._slabs(experts) if self.kernels == "numba" and self._q8 else None
         if slabs is None:
             return grouped_expert_matmul(self, x, experts, selected)
-        order, bounds = group_pairs(selected, len(experts))
-        chosen = np.flatnonzero(np.diff(bounds))
-        if not all(cast(Packed, experts[int(e)]).kernels_exact for e in chosen):
-            return grouped_expert_matmul(self, x, experts, selected)
+        order, bounds, chosen = self._grouped(selected, len(experts))
+        if not slabs.exact.issuperset(chosen):
+            if not all(cast(Packed, experts[e]).kernels_exact for e in chosen):
+                return grouped_expert_matmul(self, x, experts, selected)
+            slabs.exact.update(chosen)
         T, k = selected.shape
         x = np.ascontiguousarray(x, dtype=F32)
         if x.shape[-1] != slabs.row_length or x.shape[:-1] not in ((T,), (T, k)):
@@ -559,6 +571,20 @@ class NumpyBackend(ArrayBackend):
         kernel(slabs.buffer, slabs.offsets, slabs.rows, x2, src, order, bounds, simd, threads, out)
         self._limit_blas_once()
         return out.reshape(T, k, slabs.rows)
+
+    def _grouped(self, selected: Any, n_expert: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
+        """:func:`~qllama.backends.base.group_pairs` of ``selected`` and the experts chosen,
+        remembered for the next call with the same selection (a layer's up, gate and down
+        products share one)."""
+        sel = np.asarray(selected)
+        key = (n_expert, sel.shape, sel.dtype.str, sel.tobytes())
+        memo = self._grouping
+        if memo is not None and memo[0] == key:
+            return memo[1]
+        order, bounds = group_pairs(sel, n_expert)
+        grouped = order, bounds, np.flatnonzero(np.diff(bounds)).tolist()
+        self._grouping = (key, grouped)
+        return grouped
 
     def _slabs(self, experts: Sequence[Any]) -> Slabs | None:
         """What one compiled ``mul_mat_id`` needs for ``experts`` (remembered by the first of

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from qllama.backends.numpy.kernels import glue as kernels
+from qllama.backends.numpy.kernels import router as router_kernels
 
 F32 = np.float32
 # A softmax of this many scores or more spreads its rows over numba's threads (a prefill
@@ -52,12 +53,20 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return out
 
 
-def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-    """Adjacent pairs of ``x`` (T, H, n_rot) rotated by the angles ``cos``, ``sin`` (T, n_rot/2)."""
-    x = np.ascontiguousarray(x)
-    out = np.empty_like(x)
-    kernels.rope_pairs(x, np.ascontiguousarray(cos), np.ascontiguousarray(sin), out)
-    return out
+def _rotation(kernel: Callable[..., None]) -> Callable[..., np.ndarray]:
+    def rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+        x = np.ascontiguousarray(x)
+        out = np.empty_like(x)
+        kernel(x, np.ascontiguousarray(cos), np.ascontiguousarray(sin), out)
+        return out
+
+    return rotate
+
+
+# x (T, H, n_rot) rotated by the angles cos, sin (T, n_rot/2): adjacent pairs (x[2i], x[2i+1])
+# and the halves' pairs (x[i], x[i + n_rot/2])
+rope = _rotation(kernels.rope_pairs)
+rope_halves = _rotation(kernels.rope_halves)
 
 
 def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
@@ -99,10 +108,29 @@ def attention(
     return out.reshape(t, n_head * hd_v)
 
 
+def router_soft_max(x: np.ndarray, *, simd: bool, width: int) -> np.ndarray:
+    """ggml's CPU soft_max of float32 rows ``x`` (T, n), compiled: the bits of
+    :func:`qllama.backends.numpy.router.soft_max` with the same ``simd`` and ``width``."""
+    x = np.ascontiguousarray(x, F32)
+    out = np.empty_like(x)
+    router_kernels.soft_max(x, simd, width, out)
+    return out
+
+
+def router_sum_rows(x: np.ndarray) -> np.ndarray:
+    """ggml's CPU sum_rows of float32 rows ``x`` (T, n), compiled: (T, 1), the bits of
+    :func:`qllama.backends.numpy.router.sum_rows`."""
+    x = np.ascontiguousarray(x, F32)
+    out = np.empty((x.shape[0], 1), F32)
+    router_kernels.sum_rows(x, out)
+    return out
+
+
 # the ops that need the backend itself (its attention_scores) take it first
 OPS: dict[str, Callable[..., Any]] = {
     "rms_norm": rms_norm,
     "rope": rope,
+    "rope_halves": rope_halves,
     "swiglu": swiglu,
     "masked_softmax": masked_softmax,
 }

@@ -226,6 +226,7 @@ def rope_halves(x: Array, cos: Array, sin: Array, *, xp: Namespace) -> Array:
 
 
 ROTATIONS = {RopeLayout.ADJACENT: rope, RopeLayout.HALVES: rope_halves}
+ROTATION_OPS = {RopeLayout.ADJACENT: "rope", RopeLayout.HALVES: "rope_halves"}  # as glue ops
 
 
 def silu(x: Array, *, xp: Namespace) -> Array:
@@ -405,8 +406,8 @@ class Model:
         :func:`qllama.backends.base.glue`), else array-API code."""
         xp, f = self.xp, self.features
         self.rms_norm = glue(backend, "rms_norm") or functools.partial(rms_norm, xp=xp)
-        pairs = glue(backend, "rope") if f.rope == RopeLayout.ADJACENT else None
-        self.rotate = pairs or functools.partial(ROTATIONS[f.rope], xp=xp)
+        turn = glue(backend, ROTATION_OPS[f.rope])
+        self.rotate = turn or functools.partial(ROTATIONS[f.rope], xp=xp)
         fused = glue(backend, "swiglu") if f.activation == Activation.SILU else None
         self.gated = fused or self._gated
         self.masked_softmax = glue(backend, "masked_softmax") or functools.partial(

@@ -41,7 +41,8 @@ def fma32(typingctx: object, a: object, b: object, c: object) -> object:
 
 
 @intrinsic
-def _bits(typingctx: object, x: object) -> object:
+def as_bits(typingctx: object, x: object) -> object:
+    """A float32's bits, as a uint32."""
     sig = types.uint32(types.float32)
 
     def codegen(context: object, builder: ir.IRBuilder, signature: object, args: list) -> object:
@@ -51,7 +52,8 @@ def _bits(typingctx: object, x: object) -> object:
 
 
 @intrinsic
-def _float(typingctx: object, u: object) -> object:
+def from_bits(typingctx: object, u: object) -> object:
+    """The float32 of bits ``u`` (a uint32)."""
     sig = types.float32(types.uint32)
 
     def codegen(context: object, builder: ir.IRBuilder, signature: object, args: list) -> object:
@@ -63,7 +65,7 @@ def _float(typingctx: object, u: object) -> object:
 @numba.njit(cache=True, inline="always")
 def round_f16(x: float) -> float:
     """``x`` (float32) rounded to half, nearest-even, as a float32 (``cvtps_ph``'s value)."""
-    u = _bits(x)
+    u = as_bits(x)
     a = u & np.uint32(0x7FFFFFFF)
     if a >= np.uint32(0x7F800000):  # inf, nan
         return x
@@ -73,7 +75,7 @@ def round_f16(x: float) -> float:
         a = (a + np.uint32(0xFFF) + ((a >> np.uint32(13)) & np.uint32(1))) & np.uint32(0xFFFFE000)
         if a > np.uint32(0x477FE000):  # past 65504
             a = np.uint32(0x7F800000)
-        return _float((u & np.uint32(0x80000000)) | a)
+        return from_bits((u & np.uint32(0x80000000)) | a)
     # subnormal halves: multiples of 2^-24 (both scalings are exact)
     return F32(np.rint(x * F32(16777216.0)) * F32(5.9604644775390625e-08))
 

@@ -198,6 +198,20 @@ def rope_pairs(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, out: np.ndarray)
 
 
 @njit(**JIT)
+def rope_halves(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, out: np.ndarray) -> None:
+    """The model's ``rope_halves`` (the pairs i, i + D/2) of ``x`` (T, H, D) by angles (T, D/2)."""
+    T, H, D = x.shape
+    half = D // 2
+    for t in range(T):
+        for h in range(H):
+            for i in range(half):
+                x0, x1 = x[t, h, i], x[t, h, half + i]
+                c, s = cos[t, i], sin[t, i]
+                out[t, h, i] = x0 * c - x1 * s
+                out[t, h, half + i] = x0 * s + x1 * c
+
+
+@njit(**JIT)
 def swiglu(gate: np.ndarray, up: np.ndarray, out: np.ndarray) -> None:
     """``silu(gate) * up`` elementwise on 1-D views, silu as the model writes it:
     ``g * (1 / (1 + exp(-g)))``."""

@@ -1,0 +1,116 @@
+"""Compiled (numba) form of the router's ops of ggml's CPU arithmetic: ``soft_max`` and
+``sum_rows`` as :mod:`qllama.backends.numpy.router` states them in numpy, the same bits in one
+call a layer instead of some forty numpy dispatches (a MoE decode step's router cost more
+than its experts' products).
+
+Per lane, ``ggml_v_expf`` of the AVX2 build (2^n built into the exponent bits, a scale split
+in two past |n| > 126) or of the AVX-512 one (``scalef``: libm's ``ldexpf``, one rounding); the
+block's horizontal sum in the build's tree; libm's ``expf`` for the scalar loop; the sums in
+double, in order. Integer lanes wrap as the SIMD instructions do: they are computed in 64 bits
+and cut to 32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit
+
+from qllama.backends.numpy.kernels.flash import as_bits, fma32, from_bits
+from qllama.jit import INLINE, JIT
+
+F32 = np.float32
+U32 = np.uint32
+LOW32 = 0xFFFFFFFF
+
+SHIFTER = F32(float.fromhex("0x1.8p23"))
+LOG2E = F32(float.fromhex("0x1.715476p0"))
+LN2_HI, LN2_LO = F32(float.fromhex("0x1.62E4p-1")), F32(float.fromhex("0x1.7F7D1Cp-20"))
+C1, C2 = F32(float.fromhex("0x1.0E4020p-7")), F32(float.fromhex("0x1.573E2Ep-5"))
+C3, C4 = F32(float.fromhex("0x1.555E66p-3")), F32(float.fromhex("0x1.FFFDB6p-2"))
+C5 = F32(float.fromhex("0x1.FFFFECp-1"))
+ONE_BITS = 0x3F800000  # 1.0f
+ONE, ZERO, INF = F32(1.0), F32(0.0), F32(np.inf)
+
+
+@njit(**INLINE)
+def _poly(b: float, last: float) -> float:
+    """(((C1 b + C2) u + (C3 b + C4)) u + last), u = b^2, each multiply-add fused."""
+    u = F32(b * b)
+    return fma32(fma32(fma32(C1, b, C2), u, fma32(C3, b, C4)), u, last)
+
+
+@njit(**INLINE)
+def v_expf(x: float, width: int) -> float:
+    """One lane of ggml_v_expf, of the AVX2 build (``width`` 8) or the AVX-512 one (16)."""
+    z = fma32(x, LOG2E, SHIFTER)
+    n = F32(z - SHIFTER)
+    b = fma32(-n, LN2_LO, fma32(-n, LN2_HI, x))
+    if width == 16:
+        if abs(n) > 192:  # ordered: a NaN n keeps the polynomial's NaN
+            return ZERO if n <= 0 else INF
+        scale = int(n) if abs(n) <= 192 else 0  # a whole number; not NaN's int
+        return F32(math.ldexp(_poly(b, fma32(C5, b, ONE)), scale))
+    e = (np.int64(as_bits(z)) << 23) & LOW32  # slli_epi32
+    j = _poly(b, F32(C5 * b))
+    if not abs(n) > 126:
+        k = from_bits(U32((e + ONE_BITS) & LOW32))
+        return fma32(j, k, k)
+    g = 0x82000000 if n <= 0 else 0
+    s1 = from_bits(U32((g + 0x7F000000) & LOW32))
+    if abs(n) > 192:
+        return F32(s1 * s1)
+    s2 = from_bits(U32((e - g) & LOW32))
+    return F32(fma32(s2, j, s2) * s1)
+
+
+@njit(**INLINE)
+def _block_sum(e: np.ndarray, a: int, width: int) -> float:
+    """The build's horizontal float32 sum of ``e[a : a + width]``: AVX2's
+    ((e0+e4)+(e2+e6)) + ((e1+e5)+(e3+e7)); GCC's ``_mm512_reduce_add_ps`` for 16 lanes (the
+    256-bit halves added first)."""
+    if width == 16:
+        t = np.empty(8, F32)
+        for i in range(8):
+            t[i] = e[a + 8 + i] + e[a + i]
+        a, e = 0, t
+    q0, q1 = F32(e[a] + e[a + 4]), F32(e[a + 1] + e[a + 5])
+    q2, q3 = F32(e[a + 2] + e[a + 6]), F32(e[a + 3] + e[a + 7])
+    return F32(F32(q0 + q2) + F32(q1 + q3))
+
+
+@njit(**JIT)
+def soft_max(x: np.ndarray, simd: bool, width: int, out: np.ndarray) -> None:
+    """ggml's soft_max of each float32 row of ``x`` (T, n) into ``out`` (T, n): the SIMD
+    blocks of a ``width``-lane build where ``simd``, the rest (or all) by the scalar loop."""
+    T, n = x.shape
+    blocks = n // width * width if simd else 0
+    for t in range(T):
+        m = x[t, 0]
+        for i in range(1, n):  # numpy's max: a NaN wins
+            v = x[t, i]
+            if v > m or v != v:
+                m = v
+        e = out[t]
+        total = 0.0
+        for a in range(0, blocks, width):
+            for i in range(a, a + width):
+                e[i] = v_expf(F32(x[t, i] - m), width)
+            total += np.float64(_block_sum(e, a, width))
+        for i in range(blocks, n):
+            e[i] = F32(math.exp(F32(x[t, i] - m)))  # libm's expf
+            total += np.float64(e[i])
+        s = F32(1.0 / total)
+        for i in range(n):
+            e[i] = F32(e[i] * s)
+
+
+@njit(**JIT)
+def sum_rows(x: np.ndarray, out: np.ndarray) -> None:
+    """ggml's sum_rows of float32 rows ``x`` (T, n) into ``out`` (T, 1): in order, in double."""
+    for t in range(x.shape[0]):
+        total = 0.0
+        for i in range(x.shape[1]):
+            total += np.float64(x[t, i])
+        out[t, 0] = F32(total)
