@@ -226,14 +226,16 @@ def _slab_experts(
 
 
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_K", "MXFP4", "IQ4_XS", "Q5_0", "Q6_K"])
-@pytest.mark.parametrize("T", [1, 9, 40], ids=["decode", "batch", "groups"])
+@pytest.mark.parametrize("T", [1, 9, 16, 40], ids=["decode", "batch", "mixed", "groups"])
 @pytest.mark.parametrize("shared_input", [True, False], ids=["up", "down"])
 def test_the_compiled_mul_mat_id_equals_the_grouped_matmuls(
     kind: str, T: int, shared_input: bool
 ) -> None:
-    """The numpy backend's one-call ``mul_mat_id`` (each row quantized once, the selected
-    experts' rows only) gives the bits of one ``matmul`` per expert and of each (token, slot)
-    alone."""
+    """The numpy backend's ``mul_mat_id`` (its one compiled call: each row quantized once, the
+    selected experts' rows only; an expert many rows chose in the token tiles of ``matmul``)
+    gives the bits of one ``matmul`` per expert and of each (token, slot) alone. "mixed"
+    routes 16, 14, 8, 8 and 2 pairs to five experts: both ways in one call for every format
+    (the tiles take 4 pairs or more for the 32-block formats, 8 for the K-quants)."""
     pytest.importorskip("numba")
     from qllama.backends.base import grouped_expert_matmul
 
@@ -241,8 +243,16 @@ def test_the_compiled_mul_mat_id_equals_the_grouped_matmuls(
     rng = np.random.default_rng(11)
     k, n, K, R = 3, 6, 256, 44  # 44 rows: groups of four and a remainder
     experts = _slab_experts(be, rng, kind, n, R, K)
-    assert be._slabs(experts) is not None  # the compiled call, not the fallback
+    slabs = be._slabs(experts)
+    assert slabs is not None  # the compiled call, not the fallback
     selected = np.stack([rng.choice(n - 1, k, replace=False) for _ in range(T)]).astype(np.int32)
+    if T == 16:
+        t = np.arange(T)
+        selected = np.stack([0 * t, 1 + t % 2, 3 + (t % 8 == 0)], axis=1).astype(np.int32)
+        counts = np.bincount(selected.reshape(-1), minlength=n)
+        assert (counts >= slabs.tile_rows).any() and (
+            (counts > 0) & (counts < slabs.tile_rows)
+        ).any()
     x = rng.standard_normal((T, K) if shared_input else (T, k, K)).astype(np.float32)
     got = expert_matmul(be, x, experts, selected)
     assert got.shape == (T, k, R)

@@ -216,6 +216,7 @@ class Slabs:
     offsets: np.ndarray  # int64 (n_expert,)
     rows: int  # of each expert
     row_length: int
+    tile_rows: int  # an expert this many pairs chose goes to the token tiles of ``matmul``
     # the experts whose kernels_exact held: each is checked once, when first chosen (the check
     # reads its slab)
     exact: set[int] = field(default_factory=set, compare=False, repr=False)
@@ -226,6 +227,7 @@ class Slabs:
         kind of weight, a format without a compiled ``mul_mat_id``, two formats or shapes, or
         slabs that are not views of one buffer. Reads none of their bytes."""
         from qllama.backends.numpy.kernels import experts as kernels
+        from qllama.backends.numpy.kernels import matmul
 
         first = experts[0]
         if not all(isinstance(w, Packed) for w in experts):
@@ -240,7 +242,8 @@ class Slabs:
         if shared is None:
             return None
         buffer, offsets = shared
-        return cls(code, buffer, offsets, first.tensor.rows, first.tensor.row_length)
+        tile_rows = matmul.GEMM_TOKENS[code]  # where the dense products switch to tiles
+        return cls(code, buffer, offsets, first.tensor.rows, first.tensor.row_length, tile_rows)
 
 
 def _one_buffer(ws: Sequence[Packed]) -> tuple[np.ndarray, np.ndarray] | None:
@@ -539,9 +542,12 @@ class NumpyBackend(ArrayBackend):
         """ggml's ``mul_mat_id`` (:func:`~qllama.backends.base.expert_matmul`), ``(T, k,
         rows)``: in the CPU arithmetic with the compiled kernels, one call
         (:mod:`~qllama.backends.numpy.kernels.experts`) that quantizes each row of ``x`` once
-        and reads only the selected experts' rows; else (another mode, a format without that
-        call, a selected Q8_0 expert the kernels do not compute exactly) one ``matmul`` per
-        selected expert. The same numbers either way."""
+        and reads only the selected experts' rows, a row at a time; but an expert that as many
+        pairs chose as the dense products meet in token tiles (``Slabs.tile_rows``: a batch)
+        meets them there, in one ``matmul``. Else (another mode, a format without that call,
+        a selected Q8_0 expert the kernels do not compute exactly) one ``matmul`` per selected
+        expert. The same numbers every way: under the CPU arithmetic a row's product does not
+        depend on the other rows of its call."""
         slabs = self._slabs(experts) if self.kernels == "numba" and self._q8 else None
         if slabs is None:
             return grouped_expert_matmul(self, x, experts, selected)
@@ -559,18 +565,42 @@ class NumpyBackend(ArrayBackend):
             )
         x2 = x.reshape(-1, slabs.row_length)  # (T or T*k, K): each token's or pair's row
         src = order if x.ndim == 3 else order // k  # the row of x2 of each grouped pair
+        out = np.empty((T * k, slabs.rows), F32)  # pair j's products: row j
+        counts = np.diff(bounds)
+        tiled = counts >= slabs.tile_rows  # (n_expert,)
+        if tiled.any():  # a batch: an expert many pairs chose meets them in token tiles
+            for e in np.flatnonzero(tiled):
+                a, b = bounds[e], bounds[e + 1]
+                out[order[a:b]] = self.matmul(x2[src[a:b]], experts[e])  # (b - a, rows)
+            few = np.repeat(~tiled, counts)  # the other experts' pairs, still grouped
+            order, src = order[few], src[few]
+            bounds = np.concatenate([[0], np.cumsum(np.where(tiled, 0, counts))])
+        if order.size:
+            self._mul_mat_id(slabs, x2, src, order, bounds, out)
+        return out.reshape(T, k, slabs.rows)
+
+    def _mul_mat_id(
+        self,
+        slabs: Slabs,
+        x2: np.ndarray,
+        src: np.ndarray,
+        order: np.ndarray,
+        bounds: np.ndarray,
+        out: np.ndarray,
+    ) -> None:
+        """The compiled ``mul_mat_id`` of :meth:`expert_matmul`: expert ``e``'s pairs
+        ``order[bounds[e]:bounds[e + 1]]`` times rows ``src`` of ``x2``, into their rows of
+        ``out`` (P, rows)."""
         from qllama.backends.numpy.kernels import experts as kernels
 
         _, threads = self._kernels_for_this_thread()
-
         serial = threads == 1 or order.size * slabs.row_length * slabs.rows < SERIAL_MACS
         kernel = kernels.kernel(slabs.code, serial=serial)
         assert kernel is not None  # Slabs.of took only formats with a kernel
-        out = np.empty(order.size * slabs.rows, F32)
         simd = self.activation_rounding == "simd"
-        kernel(slabs.buffer, slabs.offsets, slabs.rows, x2, src, order, bounds, simd, threads, out)
+        flat = out.reshape(-1)  # (P*rows,)
+        kernel(slabs.buffer, slabs.offsets, slabs.rows, x2, src, order, bounds, simd, threads, flat)
         self._limit_blas_once()
-        return out.reshape(T, k, slabs.rows)
 
     def _grouped(self, selected: Any, n_expert: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
         """:func:`~qllama.backends.base.group_pairs` of ``selected`` and the experts chosen,
