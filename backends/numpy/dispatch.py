@@ -565,18 +565,25 @@ class NumpyBackend(ArrayBackend):
             )
         x2 = x.reshape(-1, slabs.row_length)  # (T or T*k, K): each token's or pair's row
         src = order if x.ndim == 3 else order // k  # the row of x2 of each grouped pair
-        out = np.empty((T * k, slabs.rows), F32)  # pair j's products: row j
         counts = np.diff(bounds)
         tiled = counts >= slabs.tile_rows  # (n_expert,)
-        if tiled.any():  # a batch: an expert many pairs chose meets them in token tiles
-            for e in np.flatnonzero(tiled):
-                a, b = bounds[e], bounds[e + 1]
-                out[order[a:b]] = self.matmul(x2[src[a:b]], experts[e])  # (b - a, rows)
-            few = np.repeat(~tiled, counts)  # the other experts' pairs, still grouped
-            order, src = order[few], src[few]
-            bounds = np.concatenate([[0], np.cumsum(np.where(tiled, 0, counts))])
-        if order.size:
+        if not tiled.any():  # each pair's products straight to its row j
+            out = np.empty((T * k, slabs.rows), F32)
             self._mul_mat_id(slabs, x2, src, order, bounds, out)
+            return out.reshape(T, k, slabs.rows)
+        # a batch: an expert many pairs chose meets them in token tiles, on its pairs' rows
+        # gathered (grouped order: a slice an expert); then every row to its pair's place
+        grouped = np.empty((order.size, slabs.rows), F32)  # (P, rows), grouped
+        xg = x2[src]  # (P, K), grouped
+        for e in np.flatnonzero(tiled):
+            a, b = bounds[e], bounds[e + 1]
+            grouped[a:b] = self.matmul(xg[a:b], experts[e])  # (b - a, rows)
+        few = np.repeat(~tiled, counts)  # the other experts' pairs, still grouped
+        if few.any():
+            fewer = np.concatenate([[0], np.cumsum(np.where(tiled, 0, counts))])
+            self._mul_mat_id(slabs, x2, src[few], np.flatnonzero(few), fewer, grouped)
+        out = np.empty_like(grouped)
+        out[order] = grouped  # (T*k, rows) token-major, slot-minor
         return out.reshape(T, k, slabs.rows)
 
     def _mul_mat_id(
@@ -589,8 +596,7 @@ class NumpyBackend(ArrayBackend):
         out: np.ndarray,
     ) -> None:
         """The compiled ``mul_mat_id`` of :meth:`expert_matmul`: expert ``e``'s pairs
-        ``order[bounds[e]:bounds[e + 1]]`` times rows ``src`` of ``x2``, into their rows of
-        ``out`` (P, rows)."""
+        ``bounds[e]:bounds[e + 1]``, rows ``src`` of ``x2``, into rows ``order`` of ``out``."""
         from qllama.backends.numpy.kernels import experts as kernels
 
         _, threads = self._kernels_for_this_thread()
