@@ -205,6 +205,21 @@ def test_the_comparison_measures_the_file_written_not_a_second_quantization(
         assert (tmp_path / "once" / name).read_text() == (tmp_path / "twice" / name).read_text()
 
 
+def test_the_comparison_builds_in_the_cache_given(tiny, tmp_path, monkeypatch):
+    """``--cache`` holds every file a comparison builds, the stock mixtures' included, and
+    the user cache none."""
+    monkeypatch.setenv("QLLAMA_CACHE", str(tmp_path / "user"))
+    monkeypatch.setattr(corpus, "text", lambda name, **kw: TEXT)
+    given = tmp_path / "given"
+    flags = ["--cache", str(given), "--compare", "--stock", "Q4_0", "--executor", "local"]
+    flags += ["--no-plot", "--report", str(tmp_path / "report")]
+    flags += ["--results", str(tmp_path / "results")]
+    assert main(_argv(tiny, tmp_path / "r.gguf", 6, *flags)) == 0
+    built = [p.name for p in (given / "study-variants").rglob("*.gguf")]
+    assert any("Q4_0" in name for name in built), built
+    assert not list((tmp_path / "user").rglob("*.gguf"))
+
+
 def test_bad_arguments_are_refused_before_any_work(tiny, tmp_path, capsys):
     bad = [
         (["--target-bpw", "-1"], "--target-bpw must be a positive number"),

@@ -183,11 +183,13 @@ def _compare(
         threads=args.threads or 1,
         files={compare.recipe_name(recipe): file},
     )
-    options = Options(results=Path(args.results), executor=args.executor, workers=args.workers)
+    options = Options(
+        results=Path(args.results), executor=args.executor, workers=args.workers, cache=args.cache
+    )
     status, data = execute(study, options)
     if data is None:
         return status
-    paths = {name: v.path for name, v in build_variants(study).items()}
+    paths = {name: v.path for name, v in build_variants(study, cache=args.cache).items()}
     table = ladders.rows(study, rungs, data, paths)
     calibration = {compare.recipe_name(recipe): measured}
     rows = [v for s in settings for v in compare.versus(table, [recipe], s, calibration)]

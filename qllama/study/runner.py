@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import io
 import json
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -100,12 +101,15 @@ def _reference_draws(study: Study) -> list[Draw]:
     return [d for d in study.draws if d.reference_env and not d.optional]
 
 
-def build_variants(study: Study) -> dict[str, VariantFile]:
-    """Every variant's file (built once, then cached) and its sha256."""
+def build_variants(
+    study: Study, *, cache: str | os.PathLike[str] | None = None
+) -> dict[str, VariantFile]:
+    """Every variant's file (built once, then cached in qllama's cache folder ``cache``,
+    default the user cache) and its sha256."""
     out = {}
     for v in study.variants:
         _say(f"variant {v.name}: building or finding it in the cache ...")
-        out[v.name] = build(study.model_source(), v)
+        out[v.name] = build(study.model_source(), v, cache=cache)
     return out
 
 
@@ -307,6 +311,7 @@ class Options:
     force: bool = False
     report_only: bool = False
     references_only: bool = False
+    cache: str | None = None  # qllama's cache folder for the variants' files (None: the user's)
 
 
 def execute(study: Study, options: Options) -> tuple[int, collect.Collected | None]:
@@ -333,7 +338,7 @@ def execute(study: Study, options: Options) -> tuple[int, collect.Collected | No
         else make_executor(options.executor, workers=options.workers, scheduler=options.scheduler)
     )
     try:
-        plan = Plan(study, options.results, build_variants(study))
+        plan = Plan(study, options.results, build_variants(study, cache=options.cache))
         plan_references(plan, pool.run, compute=not options.report_only)
         if options.references_only:
             return 0, None
