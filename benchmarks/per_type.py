@@ -31,7 +31,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import memory_mb, pin_cpus, run_worker
+from common import fmt, memory_mb, pin_cpus, run_worker
+from scale import ratio, token_ids
 
 HERE = Path(__file__).resolve().parent
 # every type a file's 2-D weights can have that both sides compute, in the ladder's order
@@ -42,11 +43,6 @@ TYPES = (
 )  # fmt: skip
 PROMPT = 8  # decode starts after this many tokens
 WARMUP = 2  # untimed decode steps
-
-
-def token_ids(n: int) -> list[int]:
-    """``n`` fixed token ids valid in the synthetic vocabulary."""
-    return [3 + (37 * i) % 250 for i in range(n)]
 
 
 # --- workers (a process each: ``per_type.py --worker JOB``) ---------------------------------------
@@ -197,14 +193,6 @@ def report(args: argparse.Namespace, summary: dict[str, Any]) -> None:
 # --- the report -------------------------------------------------------------------------------
 
 
-def _num(x: float | None, fmt: str = "{:.2f}") -> str:
-    return "-" if x is None else fmt.format(x)
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
-
-
 def markdown(s: dict[str, Any]) -> str:
     """docs/bench-types.md."""
     sh = s["shape"]
@@ -241,11 +229,12 @@ def markdown(s: dict[str, Any]) -> str:
         qc, lcc = q.get("cpu_tok_s"), lc.get("cpu_tok_s")
         qw, lw = q.get("wall_tok_s"), lc.get("wall_tok_s")
         note = "; ".join(r[k] for k in ("qllama_error", "llama_cpp_error") if r.get(k))
+        two = "{:.2f}"
         out.append(
-            f"| {qtype} | {r['streamed_mb']:.0f} | {_num(qc)} | {_num(lcc)} "
-            f"| **{_num(_ratio(qc, lcc), '{:.2f}x')}** "
-            f"| {_num(qc and gb * qc, '{:.1f}')} / {_num(lcc and gb * lcc, '{:.1f}')} "
-            f"| {_num(qw)} / {_num(lw)} | {_num(_ratio(qw, lw), '{:.2f}x')}"
+            f"| {qtype} | {r['streamed_mb']:.0f} | {fmt(qc, two)} | {fmt(lcc, two)} "
+            f"| **{fmt(ratio(qc, lcc), '{:.2f}x')}** "
+            f"| {fmt(qc and gb * qc)} / {fmt(lcc and gb * lcc)} "
+            f"| {fmt(qw, two)} / {fmt(lw, two)} | {fmt(ratio(qw, lw), '{:.2f}x')}"
             + (f" ({note})" if note else "")
             + " |"
         )
