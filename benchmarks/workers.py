@@ -121,22 +121,36 @@ def kernel_isa() -> str:
     return "AVX2" if llvm_ir.AVX2 else "portable"
 
 
+# the backend's product calls: the model reaches matmuls and expert_matmul through the class
+PRODUCTS = ("matmul", "matmuls", "expert_matmul")
+
+
 def profile_qllama(model: Any, ids: list[int], job: dict) -> dict:
     """Where a decode step and a teacher-forcing pass spend their time: inside the backend's
-    matmuls (the quantized products) or in the rest of the forward (array-API code)."""
+    products (``matmul``, the fused ``matmuls`` and ``expert_matmul``: the quantized
+    products) or in the rest of the forward (array-API code). The products are timed on the
+    backend's class, where the model looks them up, and once where one calls another."""
     from qllama.array_api import to_numpy
 
-    backend = model.backend
-    spent = [0.0]
-    plain = backend.matmul
+    cls = type(model.backend)
+    spent, depth = [0.0], [0]
+    plain = {name: cls.__dict__[name] for name in PRODUCTS if name in cls.__dict__}
 
-    def matmul(x: Any, w: Any) -> Any:
-        t = time.perf_counter()
-        y = plain(x, w)
-        spent[0] += time.perf_counter() - t
-        return y
+    def timed(f: Any) -> Any:
+        def product(*args: Any) -> Any:
+            depth[0] += 1
+            t = time.perf_counter()
+            try:
+                return f(*args)
+            finally:
+                depth[0] -= 1
+                if not depth[0]:  # the outermost product call only
+                    spent[0] += time.perf_counter() - t
 
-    backend.matmul = matmul
+        return product
+
+    for name, f in plain.items():
+        setattr(cls, name, timed(f))
     try:
         n_prompt, steps = job["prompt_len"], job["decode_steps"]
         to_numpy(model.forward(ids[:n_prompt], 0))
@@ -152,7 +166,8 @@ def profile_qllama(model: Any, ids: list[int], job: dict) -> dict:
         total = time.perf_counter() - t
         tf = {"s": total, "matmul_s": spent[0]}
     finally:
-        del backend.matmul
+        for name, f in plain.items():
+            setattr(cls, name, f)
     return {"decode": decode, "tf": tf}
 
 
