@@ -447,7 +447,8 @@ class NumpyBackend(ArrayBackend):
         if not self._q8:
             return {}
         simd = self.activation_rounding == "simd"
-        soft_max, sum_rows = router.soft_max, router.sum_rows
+        soft_max: Callable[..., np.ndarray] = router.soft_max
+        sum_rows: Callable[[np.ndarray], np.ndarray] = router.sum_rows
         if self.kernels == "numba":  # the same bits in one compiled call each
             from qllama.backends.numpy import glue
 
@@ -575,7 +576,7 @@ class NumpyBackend(ArrayBackend):
         # gathered (grouped order: a slice an expert); then every row to its pair's place
         grouped = np.empty((order.size, slabs.rows), F32)  # (P, rows), grouped
         xg = x2[src]  # (P, K), grouped
-        for e in np.flatnonzero(tiled):
+        for e in np.flatnonzero(tiled).tolist():
             a, b = bounds[e], bounds[e + 1]
             grouped[a:b] = self.matmul(xg[a:b], experts[e])  # (b - a, rows)
         few = np.repeat(~tiled, counts)  # the other experts' pairs, still grouped

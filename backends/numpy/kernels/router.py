@@ -66,7 +66,7 @@ def v_expf(x: float, width: int) -> float:
 
 
 @njit(**INLINE)
-def _block_sum(e: np.ndarray, a: int, width: int) -> float:
+def _block_sum(e: np.ndarray, a: int, width: int) -> np.float32:
     """The build's horizontal float32 sum of ``e[a : a + width]``: AVX2's
     ((e0+e4)+(e2+e6)) + ((e1+e5)+(e3+e7)); GCC's ``_mm512_reduce_add_ps`` for 16 lanes (the
     256-bit halves added first)."""
