@@ -18,11 +18,11 @@ from qllama.ggml_types import GGMLType
 def _without_scipy_blas() -> None:
     """Load numba's array registry without scipy's BLAS. When numba first compiles or loads a
     function, its ``numba.np.arraymath`` asks whether ``np.dot`` could call BLAS by importing
-    ``scipy.linalg.cython_blas``, which maps scipy's OpenBLAS: 28 MB resident for the life of
-    the process (measured: docs/bench-moe.md). No compiled piece of qllama calls BLAS, so the
-    question is answered no while that module loads; numba's ``np.dot`` (and what else needs
-    BLAS) still finds it later, when it compiles one. Nothing is done where the registry is
-    already loaded."""
+    ``scipy.linalg.cython_blas``, which loads scipy's OpenBLAS: 8 MB more resident after a
+    decode step, for the life of the process (docs/bench-moe.md). No compiled piece of qllama
+    calls BLAS, so the question is answered no while that module loads; numba's ``np.dot``
+    (and what else needs BLAS) still finds it later, when it compiles one. Nothing is done
+    where the registry is already loaded."""
     if "numba.np.arraymath" in sys.modules:
         return
     from numba.np import linalg
