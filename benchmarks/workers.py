@@ -134,7 +134,8 @@ def profile_qllama(model: Any, ids: list[int], job: dict) -> dict:
 
     cls = type(model.backend)
     spent, depth = [0.0], [0]
-    plain = {name: cls.__dict__[name] for name in PRODUCTS if name in cls.__dict__}
+    plain = {name: getattr(cls, name) for name in PRODUCTS if hasattr(cls, name)}
+    inherited = {name for name in plain if name not in cls.__dict__}
 
     def timed(f: Any) -> Any:
         def product(*args: Any) -> Any:
@@ -167,7 +168,10 @@ def profile_qllama(model: Any, ids: list[int], job: dict) -> dict:
         tf = {"s": total, "matmul_s": spent[0]}
     finally:
         for name, f in plain.items():
-            setattr(cls, name, f)
+            if name in inherited:  # the base class's again
+                delattr(cls, name)
+            else:
+                setattr(cls, name, f)
     return {"decode": decode, "tf": tf}
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import itertools
 import shutil
 import subprocess
@@ -257,19 +258,27 @@ def _compiled(name: str) -> Callable[..., Any]:
     return {"soft_max": numpy_glue.router_soft_max, "sum_rows": numpy_glue.router_sum_rows}[name]
 
 
-def _compiled_lanes(width: int) -> Callable[[np.ndarray], np.ndarray]:
-    """The compiled kernels' ggml_v_expf of the ``width``-lane build, lane by lane."""
-    numba = pytest.importorskip("numba")
+@functools.cache
+def _lanes() -> Callable[[np.ndarray, int], np.ndarray]:
+    """The compiled kernels' ggml_v_expf, lane by lane: ``lanes(x, width)`` (compiled once)."""
+    import numba
+
     from qllama.backends.numpy.kernels.router import v_expf
 
     @numba.njit
-    def lanes(x: np.ndarray, w: int) -> np.ndarray:
+    def lanes(x: np.ndarray, width: int) -> np.ndarray:
         out = np.empty_like(x)
         for i in range(x.shape[0]):
-            out[i] = v_expf(x[i], w)
+            out[i] = v_expf(x[i], width)
         return out
 
-    return lambda x: lanes(x, width)
+    return lanes
+
+
+def _compiled_lanes(width: int) -> Callable[[np.ndarray], np.ndarray]:
+    """The compiled kernels' ggml_v_expf of the ``width``-lane build (skips without numba)."""
+    pytest.importorskip("numba")
+    return lambda x: _lanes()(x, width)
 
 
 # each router op as numpy code (qllama.backends.numpy.router) and compiled (its kernels)

@@ -39,17 +39,18 @@ from qllama.quants.rounding import fma, libm
 
 F32, I32 = np.float32, np.int32
 
-_SHIFTER = F32(float.fromhex("0x1.8p23"))
-_LOG2E = F32(float.fromhex("0x1.715476p0"))
-_LN2_HI, _LN2_LO = F32(float.fromhex("0x1.62E4p-1")), F32(float.fromhex("0x1.7F7D1Cp-20"))
-_C1, _C2, _C3, _C4, _C5 = (
+# ggml_v_expf's constants (vec.h), shared with the compiled form (kernels/router.py)
+SHIFTER = F32(float.fromhex("0x1.8p23"))
+LOG2E = F32(float.fromhex("0x1.715476p0"))
+LN2_HI, LN2_LO = F32(float.fromhex("0x1.62E4p-1")), F32(float.fromhex("0x1.7F7D1Cp-20"))
+C1, C2, C3, C4, C5 = (
     F32(float.fromhex("0x1.0E4020p-7")),
     F32(float.fromhex("0x1.573E2Ep-5")),
     F32(float.fromhex("0x1.555E66p-3")),
     F32(float.fromhex("0x1.FFFDB6p-2")),
     F32(float.fromhex("0x1.FFFFECp-1")),
 )
-_ONE_BITS = F32(1.0).view(I32)
+ONE_BITS = F32(1.0).view(I32)
 
 
 def _bits(x: np.ndarray) -> np.ndarray:
@@ -63,16 +64,16 @@ def _float(i: np.ndarray) -> np.ndarray:
 def _reduce(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The range reduction both builds share: z (the shifted 2^n), n = round(x log2 e) and the
     remainder b = x - n ln 2, in two fused parts."""
-    z = fma(x, np.full_like(x, _LOG2E), np.full_like(x, _SHIFTER))
-    n = (z - _SHIFTER).astype(F32)
-    b = fma(-n, np.full_like(x, _LN2_HI), x)
-    return z, n, fma(-n, np.full_like(x, _LN2_LO), b)
+    z = fma(x, np.full_like(x, LOG2E), np.full_like(x, SHIFTER))
+    n = (z - SHIFTER).astype(F32)
+    b = fma(-n, np.full_like(x, LN2_HI), x)
+    return z, n, fma(-n, np.full_like(x, LN2_LO), b)
 
 
 def _poly(b: np.ndarray, last: np.ndarray) -> np.ndarray:
     """(((C1 b + C2) u + (C3 b + C4)) u + last), u = b^2, each multiply-add fused."""
     u = (b * b).astype(F32)
-    c = [np.full_like(b, v) for v in (_C1, _C2, _C3, _C4)]
+    c = [np.full_like(b, v) for v in (C1, C2, C3, C4)]
     return fma(fma(fma(c[0], b, c[1]), u, fma(c[2], b, c[3])), u, last)
 
 
@@ -83,8 +84,8 @@ def v_expf_avx2(x: np.ndarray) -> np.ndarray:
     z, n, b = _reduce(x)
     with np.errstate(over="ignore", invalid="ignore"):  # the lanes of another branch
         e = (_bits(z).astype(np.int64) << 23).astype(np.uint32).view(I32)  # slli_epi32: wraps
-        k = _float((e.astype(np.int64) + _ONE_BITS).astype(np.uint32).view(I32))
-        j = _poly(b, (_C5 * b).astype(F32))
+        k = _float((e.astype(np.int64) + ONE_BITS).astype(np.uint32).view(I32))
+        j = _poly(b, (C5 * b).astype(F32))
         plain = fma(j, k, k)
         g = np.where(n <= 0, np.uint32(0x82000000), np.uint32(0)).astype(np.int64)
         s1 = _float((g + 0x7F000000).astype(np.uint32).view(I32))
@@ -101,7 +102,7 @@ def v_expf_avx512(x: np.ndarray) -> np.ndarray:
     x = np.asarray(x, F32)
     with np.errstate(over="ignore", under="ignore", invalid="ignore"):  # the lanes of |n| > 192
         _, n, b = _reduce(x)
-        j = _poly(b, fma(np.full_like(x, _C5), b, np.ones_like(x)))
+        j = _poly(b, fma(np.full_like(x, C5), b, np.ones_like(x)))
         scale = np.where(np.abs(n) <= 192, n, 0).astype(I32)  # a whole number; NaN: j is NaN
         res = np.ldexp(j, scale).astype(F32)
     far = np.where(n <= 0, F32(0), F32(np.inf))

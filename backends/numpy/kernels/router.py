@@ -18,19 +18,23 @@ import numpy as np
 from numba import njit
 
 from qllama.backends.numpy.kernels.flash import as_bits, fma32, from_bits
+from qllama.backends.numpy.router import (
+    C1,
+    C2,
+    C3,
+    C4,
+    C5,
+    LN2_HI,
+    LN2_LO,
+    LOG2E,
+    ONE_BITS,
+    SHIFTER,
+)
 from qllama.jit import INLINE, JIT
 
 F32 = np.float32
 U32 = np.uint32
 LOW32 = 0xFFFFFFFF
-
-SHIFTER = F32(float.fromhex("0x1.8p23"))
-LOG2E = F32(float.fromhex("0x1.715476p0"))
-LN2_HI, LN2_LO = F32(float.fromhex("0x1.62E4p-1")), F32(float.fromhex("0x1.7F7D1Cp-20"))
-C1, C2 = F32(float.fromhex("0x1.0E4020p-7")), F32(float.fromhex("0x1.573E2Ep-5"))
-C3, C4 = F32(float.fromhex("0x1.555E66p-3")), F32(float.fromhex("0x1.FFFDB6p-2"))
-C5 = F32(float.fromhex("0x1.FFFFECp-1"))
-ONE_BITS = 0x3F800000  # 1.0f
 ONE, ZERO, INF = F32(1.0), F32(0.0), F32(np.inf)
 
 
@@ -66,17 +70,20 @@ def v_expf(x: float, width: int) -> float:
 
 
 @njit(**INLINE)
+def _lane(e: np.ndarray, a: int, i: int, width: int) -> np.float32:
+    """Lane ``i`` of the block at ``e[a]`` as 8 float32 lanes: itself (AVX2), or itself plus
+    lane ``i + 8`` (AVX-512: GCC's ``_mm512_reduce_add_ps`` adds the 256-bit halves first)."""
+    return e[a + i] if width == 8 else F32(e[a + 8 + i] + e[a + i])
+
+
+@njit(**INLINE)
 def _block_sum(e: np.ndarray, a: int, width: int) -> np.float32:
-    """The build's horizontal float32 sum of ``e[a : a + width]``: AVX2's
-    ((e0+e4)+(e2+e6)) + ((e1+e5)+(e3+e7)); GCC's ``_mm512_reduce_add_ps`` for 16 lanes (the
-    256-bit halves added first)."""
-    if width == 16:
-        t = np.empty(8, F32)
-        for i in range(8):
-            t[i] = e[a + 8 + i] + e[a + i]
-        a, e = 0, t
-    q0, q1 = F32(e[a] + e[a + 4]), F32(e[a + 1] + e[a + 5])
-    q2, q3 = F32(e[a + 2] + e[a + 6]), F32(e[a + 3] + e[a + 7])
+    """The build's horizontal float32 sum of ``e[a : a + width]``: its 8 lanes (:func:`_lane`)
+    folded as ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7))."""
+    q0 = F32(_lane(e, a, 0, width) + _lane(e, a, 4, width))
+    q1 = F32(_lane(e, a, 1, width) + _lane(e, a, 5, width))
+    q2 = F32(_lane(e, a, 2, width) + _lane(e, a, 6, width))
+    q3 = F32(_lane(e, a, 3, width) + _lane(e, a, 7, width))
     return F32(F32(q0 + q2) + F32(q1 + q3))
 
 
