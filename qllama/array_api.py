@@ -8,6 +8,8 @@ standard namespace of that library, using array-api-compat where the library nee
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import Any, TypeAlias
 
 import array_api_compat
@@ -25,6 +27,42 @@ _LIBRARIES = {
     "array_api_strict": "array_api_strict",
     "array-api-strict": "array_api_strict",
 }
+
+
+class _Deferred(types.ModuleType):
+    """One of numpy's submodules, imported when something first looks inside it."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(importlib.import_module(self.__name__), name)
+
+
+def _numpy_compat_without_submodules() -> None:
+    """Import array-api-compat's numpy namespace without the numpy submodules the array API
+    never names. It copies numpy's namespace with ``from numpy import *``, which imports every
+    submodule numpy 2 otherwise loads on first use: ``numpy.testing`` (and ``unittest``),
+    ``numpy.f2py``, ``numpy.ma``, ``numpy.polynomial``, ``numpy.random``...: 10 MB more
+    resident in every process that runs the numpy backend (docs/bench-glue.md). They are
+    copied as stand-ins that import the real submodule when used. Nothing is done where the
+    namespace is already imported."""
+    if "array_api_compat.numpy" in sys.modules:
+        return
+    import numpy
+
+    # numpy's submodules not imported yet, less those array-api-compat wraps or imports
+    skip = {"linalg", "fft", "typing", "dtypes", "exceptions"}
+    names = [n for n in getattr(numpy, "__all__", ()) if n not in vars(numpy) and n not in skip]
+    names = [n for n in names if f"numpy.{n}" not in sys.modules]
+    for n in names:
+        setattr(numpy, n, _Deferred(f"numpy.{n}"))
+    try:
+        import array_api_compat.numpy  # noqa: F401
+    finally:
+        for n in names:  # numpy's own lazy import again (unless one was imported meanwhile)
+            if isinstance(vars(numpy).get(n), _Deferred):
+                delattr(numpy, n)
+
+
+_numpy_compat_without_submodules()
 
 
 def namespace(xp: Any = None) -> Namespace:

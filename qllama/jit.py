@@ -7,10 +7,15 @@ Imported only where numba is installed.
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import os
 import sys
+import threading
 from typing import Any
 
 from numba import njit
+from numba.core import event
 
 from qllama.ggml_types import GGMLType
 
@@ -38,6 +43,89 @@ def _without_scipy_blas() -> None:
 
 
 _without_scipy_blas()
+
+
+_MADV_DONTNEED = 4  # Linux's value (asm-generic/mman-common.h)
+
+
+class _CompilerPages(event.Listener):
+    """Gives LLVM's code back to the system each time numba is done compiling or loading
+    kernels. Loading a cached kernel runs LLVM, whose library (llvmlite's: 80 MB of code, 66 MB
+    of constants) then stays resident: 35 MB after ``import numba``, about 69 MB once a model's
+    kernels are loaded, which is most of what numba's JIT costs beyond the weights
+    (docs/kernel_memory.md). Those pages are clean copies of the file, needed again only by
+    the next compile or load. So when numba's compiler lock is let go, they are dropped from
+    this process (``madvise(MADV_DONTNEED)``: the page cache keeps them, and the next compile
+    maps them back in at a minor fault each). Only mappings that hold nothing but clean file
+    pages are touched, never relocated data, so the library reads the same bytes after.
+    Linux only; elsewhere, or where ``madvise`` refuses, nothing is done."""
+
+    def __init__(self) -> None:
+        self.depth = 0  # compiler-lock holders, across threads
+        self.lock = threading.Lock()
+        self.ranges: list[tuple[int, int]] | None = None  # found at the first release
+
+    def on_start(self, _event: event.Event) -> None:
+        with self.lock:
+            self.depth += 1
+
+    def on_end(self, _event: event.Event) -> None:
+        with self.lock:
+            self.depth -= 1
+            if self.depth == 0:
+                self.release()
+
+    def release(self) -> None:
+        if self.ranges is None:
+            self.ranges = _clean_ranges("libllvmlite", _smaps())
+        madvise = _libc_madvise()
+        for start, length in self.ranges:
+            if madvise(start, length, _MADV_DONTNEED) != 0:
+                self.ranges = []  # refused (an old kernel?): keep the pages from now on
+                return
+
+
+@functools.cache
+def _libc_madvise() -> Any:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc.madvise
+
+
+def _clean_ranges(library: str, smaps: str) -> list[tuple[int, int]]:
+    """The address ranges (start, length) of a loaded library's read-only mappings that hold
+    only clean pages (its code and constants, not the data its loader relocated), from the
+    text of ``/proc/self/smaps``."""
+    ranges, current, clean = [], None, False
+    for line in [*smaps.splitlines(), "0-0 ---p 0 0:0 0"]:  # a sentinel mapping ends the last
+        fields = line.split(maxsplit=5)
+        if not fields:
+            continue
+        if "-" in fields[0] and not fields[0].endswith(":"):  # a mapping's header line
+            if current is not None and clean:
+                ranges.append(current)
+            path = fields[5] if len(fields) > 5 else ""  # may hold spaces
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            readonly = "w" not in fields[1]
+            ours = readonly and library in os.path.basename(path)
+            current, clean = ((start, end - start) if ours else None), True
+        elif fields[0] in ("Private_Dirty:", "Shared_Dirty:") and fields[1] != "0":
+            clean = False
+    return ranges
+
+
+def _smaps() -> str:
+    try:
+        with open("/proc/self/smaps") as f:
+            return f.read()
+    except OSError:  # not Linux, or no /proc
+        return ""
+
+
+if sys.platform.startswith("linux"):
+    _COMPILER_PAGES = _CompilerPages()
+    event.register("numba:compiler_lock", _COMPILER_PAGES)
+    _COMPILER_PAGES.release()  # what importing numba touched
 
 # Cached on disk; IEEE division (x/0 is inf or NaN, as in C), not Python's exception.
 JIT: dict[str, Any] = {"cache": True, "error_model": "numpy"}

@@ -4,6 +4,8 @@ dequantize-all, against the dot products ggml itself computed (tests/data)."""
 from __future__ import annotations
 
 import hashlib
+import subprocess
+import sys
 import warnings
 
 import numpy as np
@@ -291,3 +293,49 @@ def test_keys_first_only_for_few_rows_and_where_exact(exact, rows, monkeypatch):
     q, k = np.ones((2, rows, 64), F32), np.ones((2, 300, 64), F32)
     NumpyBackend().attention_scores(q, k)
     assert firsts == [300 if exact and rows <= dispatch.KEYS_FIRST_ROWS else rows]
+
+
+HEAP = """
+import resource
+import sys
+
+import numpy as np
+
+if sys.argv[1] == "backend":
+    from qllama.backends.numpy.dispatch import NumpyBackend
+
+    NumpyBackend(kernels="numpy")
+
+
+def faults_of_a_pass() -> int:
+    # four 8 MB temporaries alive at once, written, then freed, as in a forward pass
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    temporaries = [np.ones(2 << 20, np.float32) for _ in range(4)]
+    del temporaries
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+
+faults_of_a_pass()
+print(faults_of_a_pass())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+def test_the_backend_keeps_a_forward_passs_large_temporaries_for_reuse():
+    """In processes of their own: a second pass's 32 MB of temporaries fault in their pages
+    anew (glibc gave the first pass's back), unless a numpy backend was made first
+    (backends/numpy/heap.py)."""
+    pages = 32 << 8  # 32 MB of 4 KB pages
+
+    def faults(setup: str) -> int:
+        run = subprocess.run([sys.executable, "-c", HEAP, setup], capture_output=True, text=True)
+        assert run.returncode == 0, run.stderr[-2000:]
+        return int(run.stdout)
+
+    from qllama.backends.numpy.heap import keep_large_buffers
+
+    if not keep_large_buffers():
+        pytest.skip("not glibc's malloc")
+    if faults("none") < pages // 8:  # given back and faulted in again, but in huge pages
+        pytest.skip("transparent huge pages: too few faults to tell reuse from fresh pages")
+    assert faults("backend") < pages // 16  # the same heap blocks again

@@ -4,6 +4,8 @@ templates refused within their budget."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import jinja2
@@ -17,10 +19,10 @@ from qllama.gguf.reader import read_gguf
 from qllama.runtime.chat_template import (
     ChatTemplate,
     Limits,
-    check_jinja2_version,
     encode_chat,
     render_chat,
 )
+from qllama.runtime.template_sandbox import check_jinja2_version
 from qllama.runtime.tokenizer import Tokenizer
 from qllama.synthetic import CHAT_TEMPLATE, write_tiny_llama
 
@@ -588,3 +590,25 @@ def test_phi3_strip_rule_follows_the_model_name(llama_cpp_models: Path) -> None:
     assert stripped[0] == user and stripped[-1] == end  # nothing after <|end|>
     assert kept[-1] != end and len(kept) > len(stripped)  # the newlines stay
     assert named.encode("Hi", add_bos=False) == renamed.encode("Hi", add_bos=False)
+
+
+LAZY = """
+import sys
+
+import qllama
+from qllama.synthetic import write_tiny_llama
+
+write_tiny_llama(sys.argv[1])
+model = qllama.load(sys.argv[1])
+print("jinja2" in sys.modules)
+model.apply_chat_template([{"role": "user", "content": "hi"}])
+print("jinja2" in sys.modules)
+"""
+
+
+def test_jinja2_is_imported_with_the_first_render(tmp_path):
+    """A process that only computes never loads jinja2 (7 MB resident)."""
+    path = str(tmp_path / "tiny.gguf")
+    run = subprocess.run([sys.executable, "-c", LAZY, path], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == ["False", "True"]

@@ -425,9 +425,24 @@ def test_a_wide_router_routes_as_the_avx512_build(ggml512: ctypes.CDLL, tmp_path
         np.testing.assert_array_equal(seen[f"blk.{i}.experts"], chosen)
 
 
-@pytest.mark.parametrize("width", [0, 4, 12, 32, "16", None])
+@pytest.mark.parametrize("width", [0, 4, 12, 32, "16", "HOST", None])
 def test_simd_width_is_a_build_width(width: object, tmp_path: Path) -> None:
     path = tmp_path / "q.gguf"
     write_tiny(path, FAMILIES["qwen3moe"])
     with pytest.raises(BackendError, match="simd_width must be one of"):
         qllama.load(path, backend="numpy", simd_width=width)
+
+
+@pytest.mark.skipif(not Path("/proc/cpuinfo").exists(), reason="the CPU's flags from /proc")
+def test_simd_width_host_is_what_a_native_build_here_uses() -> None:
+    """16 where the CPU has AVX-512F and AVX-512DQ (ggml's condition for its 16-lane
+    blocks), else 8: read from /proc/cpuinfo, not from numpy as the backend does."""
+    from qllama.backends.numpy.dispatch import NumpyBackend
+
+    flags = set()
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    want = 16 if {"avx512f", "avx512dq"} <= flags else 8
+    assert NumpyBackend(kernels="numpy", simd_width="host").simd_width == want

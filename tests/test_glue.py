@@ -56,6 +56,20 @@ def test_glue_exact_here(ops):
     assert ops.glue_exact()
 
 
+def test_the_exactness_check_walks_its_arguments_in_chunks(ops):
+    """The chunks are every 997th float32 of [-104, 89] by bits, in order, as one array would
+    be, none over the chunk's size."""
+    chunks = list(ops._exp_arguments(chunk=1000))
+    whole = np.concatenate(
+        [
+            np.arange(0xC2D00000, 0x80000000, -997, dtype=np.int64),
+            np.arange(0, 0x42B20000, 997, dtype=np.int64),
+        ]
+    )
+    assert max(c.size for c in chunks) == 1000
+    np.testing.assert_array_equal(np.concatenate(chunks).view(np.uint32), whole)
+
+
 @needs_simd_exp
 def test_exp_is_numpys(ops):
     from qllama.backends.numpy.kernels import glue as kernels

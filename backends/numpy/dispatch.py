@@ -10,8 +10,9 @@ float32 activations times the dequantized weight), ``activation_rounding``, ``si
 and ``dequantize_all`` (weights widened to float32 once, at load; plain float32 matmuls).
 ``simd_width`` names the float SIMD width of the llama.cpp build the CPU arithmetic stands
 for under ``activation_rounding="simd"``: 8 (AVX2, the default) or 16 (AVX-512F with DQ), the
-blocks of the router's softmax (:mod:`qllama.backends.numpy.router`); under ``"ref"`` the
-scalar loop runs whatever the width.
+blocks of the router's softmax (:mod:`qllama.backends.numpy.router`), or ``"host"``: the width
+of a llama.cpp built natively on this CPU; under ``"ref"`` the scalar loop runs whatever the
+width.
 
 ``kernels="numba"`` (the default when numba is installed) computes the ``q8`` arithmetic with the
 compiled kernels of :mod:`qllama.backends.numpy.kernels.matmul`: the same float32 values, bit for
@@ -51,6 +52,7 @@ from qllama.backends.base import (
     require_device,
 )
 from qllama.backends.numpy import router
+from qllama.backends.numpy.heap import keep_large_buffers
 from qllama.backends.numpy.oracle import Activations, WeightBlocks, vec_dot
 from qllama.errors import BackendError, TensorShapeError
 from qllama.ggml_types import GGMLType
@@ -301,7 +303,7 @@ class NumpyBackend(ArrayBackend):
         dequantize_all: bool = False,
         activations: str = "q8",
         activation_rounding: Rounding = "ref",
-        simd_width: int = 8,
+        simd_width: int | str = 8,
         work_bytes: int = 64 << 20,
         kernels: str | None = None,
         threads: int | None = None,
@@ -336,10 +338,12 @@ class NumpyBackend(ArrayBackend):
                 f"backend numpy: activation_rounding must be one of {ROUNDINGS}, "
                 f"not {activation_rounding!r}"
             )
-        if simd_width not in router.SIMD:
+        # "host": what a llama.cpp built natively on this CPU would use
+        width = router.host_width() if simd_width == "host" else simd_width
+        if not isinstance(width, int) or width not in router.SIMD:
             raise BackendError(
                 f"backend numpy: simd_width must be one of {tuple(router.SIMD)} (a llama.cpp "
-                f"build's float lanes: 8 AVX2, 16 AVX-512), not {simd_width!r}"
+                f"build's float lanes: 8 AVX2, 16 AVX-512) or 'host', not {simd_width!r}"
             )
         if work_bytes < 1:
             raise BackendError(f"backend numpy: work_bytes must be positive, not {work_bytes}")
@@ -350,7 +354,7 @@ class NumpyBackend(ArrayBackend):
         )
         self.activations = activations
         self.activation_rounding = activation_rounding
-        self.simd_width = simd_width
+        self.simd_width = width
         self.work_bytes = work_bytes
         self.kernels = kernels
         self.threads = threads
@@ -360,6 +364,7 @@ class NumpyBackend(ArrayBackend):
         # the last selection's grouping (:meth:`_grouped`): its key, then what it gives
         self._grouping: tuple[tuple[Any, ...], tuple[np.ndarray, np.ndarray, list[int]]] | None
         self._grouping = None
+        keep_large_buffers()  # a forward pass's temporaries reused, not faulted in anew
 
     def describe(self) -> str:
         """The arithmetic, and what computes it: the compiled kernels and their threads, or

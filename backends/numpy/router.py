@@ -31,6 +31,7 @@ at the end. numpy's float64 ``sum`` is pairwise from 8 values on, so the loop is
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 
 import numpy as np
@@ -129,6 +130,20 @@ SIMD: dict[int, tuple[Callable[[np.ndarray], np.ndarray], Callable[[np.ndarray],
     8: (v_expf_avx2, _sum_avx2),
     16: (v_expf_avx512, _sum_avx512),
 }
+
+
+def host_width() -> int:
+    """The float SIMD width of a llama.cpp built natively on this CPU: 16 where it has
+    AVX-512F and AVX-512DQ (ggml's ``__AVX512F__ && __AVX512DQ__`` blocks), else 8 (AVX2;
+    also where numpy does not say)."""
+    have: dict[str, bool] = {}
+    for module in ("numpy._core._multiarray_umath", "numpy.core._multiarray_umath"):  # 2.x, 1.x
+        try:
+            have = importlib.import_module(module).__cpu_features__
+            break
+        except (ImportError, AttributeError):
+            continue
+    return 16 if have.get("AVX512F") and have.get("AVX512DQ") else 8
 
 
 def soft_max(x: np.ndarray, *, simd: bool, width: int = 8) -> np.ndarray:

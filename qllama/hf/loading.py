@@ -52,7 +52,7 @@ QLLAMA_KEYWORDS = {
     "dequantize_all": "widen every weight to float32 at load (transformers' arithmetic)",
     "activations": "numpy: 'q8' (llama.cpp's CPU) or 'f32'",
     "activation_rounding": "numpy: 'ref' or 'simd'",
-    "simd_width": "numpy: the llama.cpp build's float lanes, 8 (AVX2) or 16 (AVX-512)",
+    "simd_width": "numpy: the llama.cpp build's float lanes, 8 (AVX2), 16 (AVX-512) or 'host'",
     "kernels": "numpy: 'numba' or 'numpy'",
     "blas_threads": "numpy: BLAS threads",
     "work_bytes": "numpy: the work buffer's size",
