@@ -144,9 +144,10 @@ def main(argv: list[str] | None = None) -> int:
             results[f"{file}|{way}"] = worker_result(job, 1800, __file__)
     text = markdown(results, args.files)
     if args.out:
-        tmp = Path(args.out).with_suffix(".tmp")
-        tmp.write_text(text, encoding="utf-8")
-        tmp.replace(args.out)
+        from qllama.atomic import atomic_write
+
+        with atomic_write(args.out, "w") as f:
+            f.write(text)
     else:
         print(text)
     return 0
