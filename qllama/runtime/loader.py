@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 import os
 import warnings
 from collections.abc import Iterator, Mapping
@@ -102,21 +103,23 @@ def _scale_fields(fields: dict[str, np.ndarray]) -> list[np.ndarray]:
     return [v for v in fields.values() if v.dtype.kind == "f"]
 
 
-# bytes of a 3-D expert tensor checked at a time (a buffer of this size, reused)
+# bytes of a weight checked at a time (a buffer of this size, reused)
 CHECK_CHUNK = 8 << 20
 
 
 def _checked_parts(f: GGUFFile, t: TensorInfo) -> Iterator[tuple[int, np.ndarray, tuple[int, ...]]]:
     """A tensor's bytes for :func:`check_finite`, in parts: (its first block's index, its
-    bytes, its shape). A 2-D or 1-D tensor is one part, a view of the map (a run reads all of
-    it anyway); a 3-D expert tensor is read from the file a chunk of rows at a time, so that
-    the check leaves the map's pages of experts no token selects untouched (a run reads
-    only the selected experts' slabs: their peak RSS stays what the run touched)."""
-    if len(t.shape) != 3:
+    bytes, its shape). A 1-D tensor is one part, a view of the map (a norm: the model reads
+    it at load); a weight is read from the file a chunk of rows at a time, so that the check
+    leaves the map's pages untouched. A run then makes resident what it reads when it reads
+    it: a mixture's experts no token selects never (its peak RSS stays what it touched), and
+    a dense weight not before the kernels have loaded, whose LLVM working memory would
+    otherwise sit on top of every weight at the peak of the load (docs/footprint.md)."""
+    if len(t.shape) == 1:
         yield 0, f.tensor_data(t.name), t.shape
         return
-    n, rows, row_length = t.shape
-    total = n * rows
+    *lead, row_length = t.shape
+    total = math.prod(lead)  # rows, of all the experts' slabs together for a 3-D tensor
     row_bytes = t.nbytes // total
     blocks_per_row = row_bytes // t.ggml_type.block.type_size
     step = max(1, CHECK_CHUNK // row_bytes)
