@@ -53,7 +53,7 @@ class _CompilerPages(event.Listener):
     kernels. Loading a cached kernel runs LLVM, whose library (llvmlite's: 80 MB of code, 66 MB
     of constants) then stays resident: 35 MB after ``import numba``, about 69 MB once a model's
     kernels are loaded, which is most of what numba's JIT costs beyond the weights
-    (docs/kernel_memory.md). Those pages are clean copies of the file, needed again only by
+    (docs/footprint.md). Those pages are clean copies of the file, needed again only by
     the next compile or load. So when numba's compiler lock is let go, they are dropped from
     this process (``madvise(MADV_DONTNEED)``: the page cache keeps them, and the next compile
     maps them back in at a minor fault each). Only mappings that hold nothing but clean file
