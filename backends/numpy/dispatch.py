@@ -208,11 +208,6 @@ class Streams:
         return cls(int(code), buffer, offsets, rows, starts, spans, total * k, total)
 
 
-# a selection grouped (:meth:`NumpyBackend._grouped`): the pairs in expert order, each
-# expert's bounds in it, the experts chosen, and each grouped pair's token
-Grouping = tuple[np.ndarray, np.ndarray, list[int], np.ndarray]
-
-
 @dataclass(frozen=True)
 class Slabs:
     """A 3-D expert tensor as one compiled ``mul_mat_id`` takes it: one format and 2-D shape,
@@ -367,7 +362,8 @@ class NumpyBackend(ArrayBackend):
         self._blas_limited = False
         self._kernel_state: tuple[int, Any, int] | None = None  # thread id, module, threads
         # the last selection's grouping (:meth:`_grouped`): its key, then what it gives
-        self._grouping: tuple[tuple[Any, ...], Grouping] | None = None
+        self._grouping: tuple[tuple[Any, ...], tuple[np.ndarray, np.ndarray, list[int]]] | None
+        self._grouping = None
         keep_large_buffers()  # a forward pass's temporaries reused, not faulted in anew
 
     def describe(self) -> str:
@@ -561,7 +557,7 @@ class NumpyBackend(ArrayBackend):
         slabs = self._slabs(experts) if self.kernels == "numba" and self._q8 else None
         if slabs is None:
             return grouped_expert_matmul(self, x, experts, selected)
-        order, bounds, chosen, tokens = self._grouped(selected, len(experts))
+        order, bounds, chosen = self._grouped(selected, len(experts))
         if not slabs.exact.issuperset(chosen):
             if not all(cast(Packed, experts[e]).kernels_exact for e in chosen):
                 return grouped_expert_matmul(self, x, experts, selected)
@@ -574,13 +570,13 @@ class NumpyBackend(ArrayBackend):
                 f"({T}, {slabs.row_length}) or ({T}, {k}, {slabs.row_length}), got {x.shape}"
             )
         x2 = x.reshape(-1, slabs.row_length)  # (T or T*k, K): each token's or pair's row
-        src = order if x.ndim == 3 else tokens  # the row of x2 of each grouped pair
-        if order.size < slabs.tile_rows:  # a decode's few pairs: no expert meets the tiles
-            return self._pairs_mul_mat_id(slabs, x2, src, order, bounds).reshape(T, k, -1)
+        src = order if x.ndim == 3 else order // k  # the row of x2 of each grouped pair
         counts = np.diff(bounds)
         tiled = counts >= slabs.tile_rows  # (n_expert,)
-        if not tiled.any():
-            return self._pairs_mul_mat_id(slabs, x2, src, order, bounds).reshape(T, k, -1)
+        if not tiled.any():  # each pair's products straight to its row j
+            out = np.empty((T * k, slabs.rows), F32)
+            self._mul_mat_id(slabs, x2, src, order, bounds, out)
+            return out.reshape(T, k, slabs.rows)
         # a batch: an expert many pairs chose meets them in token tiles, on its pairs' rows
         # gathered (grouped order: a slice an expert); then every row to its pair's place
         grouped = np.empty((order.size, slabs.rows), F32)  # (P, rows), grouped
@@ -595,14 +591,6 @@ class NumpyBackend(ArrayBackend):
         out = np.empty_like(grouped)
         out[order] = grouped  # (T*k, rows) token-major, slot-minor
         return out.reshape(T, k, slabs.rows)
-
-    def _pairs_mul_mat_id(
-        self, slabs: Slabs, x2: np.ndarray, src: np.ndarray, order: np.ndarray, bounds: np.ndarray
-    ) -> np.ndarray:
-        """Each pair's products straight to its row (P, rows), token-major, slot-minor."""
-        out = np.empty((order.size, slabs.rows), F32)
-        self._mul_mat_id(slabs, x2, src, order, bounds, out)
-        return out
 
     def _mul_mat_id(
         self,
@@ -626,18 +614,17 @@ class NumpyBackend(ArrayBackend):
         kernel(slabs.buffer, slabs.offsets, slabs.rows, x2, src, order, bounds, simd, threads, flat)
         self._limit_blas_once()
 
-    def _grouped(self, selected: Any, n_expert: int) -> Grouping:
-        """:func:`~qllama.backends.base.group_pairs` of ``selected``, the experts chosen and
-        each grouped pair's token, remembered for the next call with the same selection (a
-        layer's up, gate and down products share one)."""
+    def _grouped(self, selected: Any, n_expert: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
+        """:func:`~qllama.backends.base.group_pairs` of ``selected`` and the experts chosen,
+        remembered for the next call with the same selection (a layer's up, gate and down
+        products share one)."""
         sel = np.asarray(selected)
         key = (n_expert, sel.shape, sel.dtype.str, sel.tobytes())
         memo = self._grouping
         if memo is not None and memo[0] == key:
             return memo[1]
         order, bounds = group_pairs(sel, n_expert)
-        chosen = np.flatnonzero(np.diff(bounds)).tolist()
-        grouped = order, bounds, chosen, order // sel.shape[1]
+        grouped = order, bounds, np.flatnonzero(np.diff(bounds)).tolist()
         self._grouping = (key, grouped)
         return grouped
 
