@@ -39,23 +39,19 @@ WAYS = {"as shipped": False, "LLVM's pages kept": True}
 
 def resident_by_holder(file: str) -> dict[str, float]:
     """This process's resident MB by what holds the pages, from ``/proc/self/smaps``."""
+    from qllama.jit import mappings, read_smaps
+
     out = {"file": 0.0, "llvmlite": 0.0, "anonymous": 0.0, "other libraries": 0.0}
-    holder = "anonymous"
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            fields = line.split(maxsplit=5)
-            if "-" in fields[0] and not fields[0].endswith(":"):  # a mapping's header
-                path = fields[5].strip() if len(fields) > 5 else ""
-                if path == str(Path(file).resolve()):
-                    holder = "file"
-                elif "libllvmlite" in path:
-                    holder = "llvmlite"
-                elif not path or path.startswith("["):
-                    holder = "anonymous"
-                else:
-                    holder = "other libraries"
-            elif fields[0] == "Rss:":
-                out[holder] += int(fields[1]) / 1024
+    for m in mappings(read_smaps()):
+        if m.path == str(Path(file).resolve()):
+            holder = "file"
+        elif "libllvmlite" in m.path:
+            holder = "llvmlite"
+        elif not m.path or m.path.startswith("["):
+            holder = "anonymous"
+        else:
+            holder = "other libraries"
+        out[holder] += m.kb.get("Rss", 0) / 1024
     return out
 
 

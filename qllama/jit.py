@@ -12,6 +12,7 @@ import functools
 import os
 import sys
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 from numba import njit
@@ -77,7 +78,7 @@ class _CompilerPages(event.Listener):
 
     def release(self) -> None:
         if self.ranges is None:
-            self.ranges = _clean_ranges("libllvmlite", _smaps())
+            self.ranges = _clean_ranges("libllvmlite", read_smaps())
         madvise = _libc_madvise()
         for start, length in self.ranges:
             if madvise(start, length, _MADV_DONTNEED) != 0:
@@ -92,29 +93,49 @@ def _libc_madvise() -> Any:
     return libc.madvise
 
 
-def _clean_ranges(library: str, smaps: str) -> list[tuple[int, int]]:
-    """The address ranges (start, length) of a loaded library's read-only mappings that hold
-    only clean pages (its code and constants, not the data its loader relocated), from the
-    text of ``/proc/self/smaps``."""
-    ranges, current, clean = [], None, False
-    for line in [*smaps.splitlines(), "0-0 ---p 0 0:0 0"]:  # a sentinel mapping ends the last
+@dataclass(frozen=True)
+class Mapping:
+    """One mapping of ``/proc/self/smaps``: its addresses, permissions, file and sizes."""
+
+    start: int
+    length: int
+    perms: str  # "r-xp"...
+    path: str  # "" for anonymous memory; may hold spaces
+    kb: dict[str, int]  # "Rss", "Private_Dirty"...: kB
+
+
+def mappings(smaps: str) -> list[Mapping]:
+    """The mappings the text of ``/proc/self/smaps`` lists, in order."""
+    out: list[Mapping] = []
+    for line in smaps.splitlines():
         fields = line.split(maxsplit=5)
         if not fields:
             continue
         if "-" in fields[0] and not fields[0].endswith(":"):  # a mapping's header line
-            if current is not None and clean:
-                ranges.append(current)
-            path = fields[5] if len(fields) > 5 else ""  # may hold spaces
             start, end = (int(x, 16) for x in fields[0].split("-"))
-            readonly = "w" not in fields[1]
-            ours = readonly and library in os.path.basename(path)
-            current, clean = ((start, end - start) if ours else None), True
-        elif fields[0] in ("Private_Dirty:", "Shared_Dirty:") and fields[1] != "0":
-            clean = False
-    return ranges
+            path = fields[5].strip() if len(fields) > 5 else ""
+            out.append(Mapping(start, end - start, fields[1], path, {}))
+        elif out and fields[0].endswith(":") and len(fields) > 1 and fields[1].isdigit():
+            out[-1].kb[fields[0][:-1]] = int(fields[1])
+    return out
 
 
-def _smaps() -> str:
+def _clean_ranges(library: str, smaps: str) -> list[tuple[int, int]]:
+    """The address ranges (start, length) of a loaded library's read-only mappings that hold
+    only clean pages (its code and constants, not the data its loader relocated), from the
+    text of ``/proc/self/smaps``."""
+    return [
+        (m.start, m.length)
+        for m in mappings(smaps)
+        if "w" not in m.perms
+        and library in os.path.basename(m.path)
+        and not m.kb.get("Private_Dirty")
+        and not m.kb.get("Shared_Dirty")
+    ]
+
+
+def read_smaps() -> str:
+    """The text of ``/proc/self/smaps``; empty where there is none (not Linux)."""
     try:
         with open("/proc/self/smaps") as f:
             return f.read()

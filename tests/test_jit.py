@@ -85,16 +85,9 @@ from qllama.backends.numpy.glue import router_sum_rows
 
 
 def resident_kb():
-    ranges = set(jit._clean_ranges("libllvmlite", jit._smaps()))
-    kb, current = 0, None
-    for line in jit._smaps().splitlines():
-        fields = line.split()
-        if "-" in fields[0] and not fields[0].endswith(":"):
-            start, end = (int(x, 16) for x in fields[0].split("-"))
-            current = (start, end - start) in ranges
-        elif fields[0] == "Rss:" and current:
-            kb += int(fields[1])
-    return kb
+    smaps = jit.read_smaps()
+    ranges = set(jit._clean_ranges("libllvmlite", smaps))
+    return sum(m.kb.get("Rss", 0) for m in jit.mappings(smaps) if (m.start, m.length) in ranges)
 
 
 print(resident_kb())
