@@ -50,8 +50,11 @@ def _numpy_compat_without_submodules() -> None:
 
     # numpy's submodules not imported yet, less those array-api-compat wraps or imports
     skip = {"linalg", "fft", "typing", "dtypes", "exceptions"}
-    names = [n for n in getattr(numpy, "__all__", ()) if n not in vars(numpy) and n not in skip]
-    names = [n for n in names if f"numpy.{n}" not in sys.modules]
+    names = [
+        n
+        for n in getattr(numpy, "__all__", ())
+        if n not in vars(numpy) and n not in skip and f"numpy.{n}" not in sys.modules
+    ]
     for n in names:
         setattr(numpy, n, _Deferred(f"numpy.{n}"))
     try:

@@ -433,16 +433,11 @@ def test_simd_width_is_a_build_width(width: object, tmp_path: Path) -> None:
         qllama.load(path, backend="numpy", simd_width=width)
 
 
-@pytest.mark.skipif(not Path("/proc/cpuinfo").exists(), reason="the CPU's flags from /proc")
+@pytest.mark.skipif(not CPU_FLAGS, reason="the CPU's flags from /proc/cpuinfo")
 def test_simd_width_host_is_what_a_native_build_here_uses() -> None:
     """16 where the CPU has AVX-512F and AVX-512DQ (ggml's condition for its 16-lane
     blocks), else 8: read from /proc/cpuinfo, not from numpy as the backend does."""
     from qllama.backends.numpy.dispatch import NumpyBackend
 
-    flags = set()
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-            break
-    want = 16 if {"avx512f", "avx512dq"} <= flags else 8
+    want = 16 if {"avx512f", "avx512dq"} <= CPU_FLAGS else 8
     assert NumpyBackend(kernels="numpy", simd_width="host").simd_width == want
