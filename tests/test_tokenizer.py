@@ -104,6 +104,30 @@ def test_vocabulary_facts(gpt2: Tokenizer, spm: Tokenizer) -> None:
     assert "n_vocab=269" in repr(gpt2)
 
 
+@pytest.mark.parametrize("kind", ["gpt2", "spm"])
+def test_token_id_is_the_last_id_of_a_text(request: pytest.FixtureRequest, kind: str) -> None:
+    tok = request.getfixturevalue(kind)
+    assert all(tok.tokens[tok.token_id(t)] == t for t in tok.tokens)
+    assert tok.token_id("\ud800") is None  # a lone surrogate is no token's text
+    with pytest.raises(TypeError, match="text must be str, not int"):
+        tok.token_id(5)  # type: ignore[arg-type]
+
+
+def test_merges_are_held_as_the_ids_of_the_files_pairs(
+    gpt2: Tokenizer, kvs: dict[str, dict[str, GGUFValue]]
+) -> None:
+    """Each merge as the ids of its two tokens, in the file's order; a repeated pair keeps
+    its first rank."""
+    raw = list(kvs["gpt2"]["tokenizer.ggml.merges"].value)
+    merges = gpt2.vocab.merges
+    assert merges.dtype == np.int32 and merges.shape == (len(raw), 2)
+    assert [f"{gpt2.tokens[a]} {gpt2.tokens[b]}" for a, b in merges.tolist()] == raw
+    kv = dict(kvs["gpt2"]) | {
+        "tokenizer.ggml.merges": GGUFValue(ValueType.ARRAY, [*raw, raw[0]], ValueType.STRING)
+    }
+    assert np.array_equal(Tokenizer.from_metadata(kv).vocab.merges, merges)
+
+
 # --- special tokens, BOS, decoding ----------------------------------------------------------
 
 
