@@ -21,6 +21,8 @@ from typing import Any
 import numpy as np
 import pytest
 from bounds import forward_bound, reorder_bound
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_architectures import BASE, FAMILIES, IDS
 
 import qllama
@@ -261,6 +263,36 @@ def test_the_compiled_mul_mat_id_equals_the_grouped_matmuls(
         for s in range(k):
             row = x[t : t + 1] if shared_input else x[t, s][None, :]
             np.testing.assert_array_equal(got[t, s], be.matmul(row, experts[selected[t, s]])[0])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(1, 20),
+    T=st.integers(1, 12),
+    data=st.data(),
+)
+def test_a_grouping_is_what_each_product_of_a_layer_reads(n: int, T: int, data: Any) -> None:
+    """The numpy backend's grouping of a selection: each expert's pairs, in order, with each
+    pair's token, the counts, the most pairs an expert has and the experts chosen; the same
+    selection again is the same grouping (up, gate and down share it)."""
+    from qllama.backends.numpy.dispatch import Grouping
+
+    k = data.draw(st.integers(1, n))
+    rows = [data.draw(st.permutations(range(n)))[:k] for _ in range(T)]
+    selected = np.array(rows, np.int32)  # (T, k)
+    g = Grouping.of(selected, n)
+    flat = selected.reshape(-1)
+    for e in range(n):
+        pairs = g.order[g.bounds[e] : g.bounds[e + 1]]
+        assert (flat[pairs] == e).all() and (np.diff(pairs) > 0).all()  # in their order
+    np.testing.assert_array_equal(g.by_token, g.order // k)
+    np.testing.assert_array_equal(g.counts, np.bincount(flat, minlength=n))
+    assert g.most == g.counts.max() and g.chosen == sorted(set(flat.tolist()))
+    be = get_backend("numpy")
+    first = be._grouped(selected, n)
+    assert be._grouped(selected.copy(), n) is first
+    other = selected[::-1].copy()
+    assert (be._grouped(other, n) is first) == np.array_equal(other, selected)
 
 
 def test_an_expert_id_out_of_range_is_refused() -> None:

@@ -248,6 +248,27 @@ class Slabs:
         return cls(code, buffer, offsets, first.tensor.rows, first.tensor.row_length, tile_rows)
 
 
+@dataclass(frozen=True)
+class Grouping:
+    """One selection (T, k)'s pairs grouped by expert (:func:`~qllama.backends.base.group_pairs`),
+    with what each of the layer's expert products (up, gate, down share it) reads of it."""
+
+    order: np.ndarray  # (T*k,) int64, the pairs' flat indices expert by expert
+    bounds: np.ndarray  # (n_expert + 1,) int64, expert e's pairs order[bounds[e]:bounds[e+1]]
+    by_token: np.ndarray  # (T*k,) order // k: each grouped pair's token
+    counts: np.ndarray  # (n_expert,) pairs an expert
+    most: int  # the most pairs one expert has
+    chosen: list[int]  # the experts some pair chose
+
+    @classmethod
+    def of(cls, selected: np.ndarray, n_expert: int) -> Grouping:
+        order, bounds = group_pairs(selected, n_expert)
+        counts = np.diff(bounds)
+        by_token = order // selected.shape[1]
+        chosen = np.flatnonzero(counts).tolist()
+        return cls(order, bounds, by_token, counts, int(counts.max(initial=0)), chosen)
+
+
 def _one_buffer(ws: Sequence[Packed]) -> tuple[np.ndarray, np.ndarray] | None:
     """The one buffer every weight of ``ws`` is a view of, as uint8, and each weight's byte
     offset in it (int64); None where they are views of different or non-contiguous buffers."""
@@ -361,9 +382,8 @@ class NumpyBackend(ArrayBackend):
         self.blas_threads = blas_threads
         self._blas_limited = False
         self._kernel_state: tuple[int, Any, int] | None = None  # thread id, module, threads
-        # the last selection's grouping (:meth:`_grouped`): its key, then what it gives
-        self._grouping: tuple[tuple[Any, ...], tuple[np.ndarray, np.ndarray, list[int]]] | None
-        self._grouping = None
+        # the last selection's grouping (:meth:`_grouped`): its key, then the grouping
+        self._grouping: tuple[tuple[Any, ...], Grouping] | None = None
         keep_large_buffers()  # a forward pass's temporaries reused, not faulted in anew
 
     def describe(self) -> str:
@@ -557,11 +577,11 @@ class NumpyBackend(ArrayBackend):
         slabs = self._slabs(experts) if self.kernels == "numba" and self._q8 else None
         if slabs is None:
             return grouped_expert_matmul(self, x, experts, selected)
-        order, bounds, chosen = self._grouped(selected, len(experts))
-        if not slabs.exact.issuperset(chosen):
-            if not all(cast(Packed, experts[e]).kernels_exact for e in chosen):
+        g = self._grouped(selected, len(experts))
+        if not slabs.exact.issuperset(g.chosen):
+            if not all(cast(Packed, experts[e]).kernels_exact for e in g.chosen):
                 return grouped_expert_matmul(self, x, experts, selected)
-            slabs.exact.update(chosen)
+            slabs.exact.update(g.chosen)
         T, k = selected.shape
         x = np.ascontiguousarray(x, dtype=F32)
         if x.shape[-1] != slabs.row_length or x.shape[:-1] not in ((T,), (T, k)):
@@ -570,16 +590,16 @@ class NumpyBackend(ArrayBackend):
                 f"({T}, {slabs.row_length}) or ({T}, {k}, {slabs.row_length}), got {x.shape}"
             )
         x2 = x.reshape(-1, slabs.row_length)  # (T or T*k, K): each token's or pair's row
-        src = order if x.ndim == 3 else order // k  # the row of x2 of each grouped pair
-        counts = np.diff(bounds)
-        tiled = counts >= slabs.tile_rows  # (n_expert,)
-        if not tiled.any():  # each pair's products straight to its row j
+        src = g.order if x.ndim == 3 else g.by_token  # the row of x2 of each grouped pair
+        if g.most < slabs.tile_rows:  # each pair's products straight to its row j
             out = np.empty((T * k, slabs.rows), F32)
-            self._mul_mat_id(slabs, x2, src, order, bounds, out)
+            self._mul_mat_id(slabs, x2, src, g.order, g.bounds, out)
             return out.reshape(T, k, slabs.rows)
         # a batch: an expert many pairs chose meets them in token tiles, on its pairs' rows
         # gathered (grouped order: a slice an expert); then every row to its pair's place
-        grouped = np.empty((order.size, slabs.rows), F32)  # (P, rows), grouped
+        counts, bounds = g.counts, g.bounds
+        tiled = counts >= slabs.tile_rows  # (n_expert,)
+        grouped = np.empty((g.order.size, slabs.rows), F32)  # (P, rows), grouped
         xg = x2[src]  # (P, K), grouped
         for e in np.flatnonzero(tiled).tolist():
             a, b = bounds[e], bounds[e + 1]
@@ -589,7 +609,7 @@ class NumpyBackend(ArrayBackend):
             fewer = np.concatenate([[0], np.cumsum(np.where(tiled, 0, counts))])
             self._mul_mat_id(slabs, x2, src[few], np.flatnonzero(few), fewer, grouped)
         out = np.empty_like(grouped)
-        out[order] = grouped  # (T*k, rows) token-major, slot-minor
+        out[g.order] = grouped  # (T*k, rows) token-major, slot-minor
         return out.reshape(T, k, slabs.rows)
 
     def _mul_mat_id(
@@ -614,19 +634,17 @@ class NumpyBackend(ArrayBackend):
         kernel(slabs.buffer, slabs.offsets, slabs.rows, x2, src, order, bounds, simd, threads, flat)
         self._limit_blas_once()
 
-    def _grouped(self, selected: Any, n_expert: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
-        """:func:`~qllama.backends.base.group_pairs` of ``selected`` and the experts chosen,
-        remembered for the next call with the same selection (a layer's up, gate and down
-        products share one)."""
+    def _grouped(self, selected: Any, n_expert: int) -> Grouping:
+        """The :class:`Grouping` of ``selected``, remembered for the next call with the same
+        selection (a layer's up, gate and down products share one)."""
         sel = np.asarray(selected)
         key = (n_expert, sel.shape, sel.dtype.str, sel.tobytes())
         memo = self._grouping
         if memo is not None and memo[0] == key:
             return memo[1]
-        order, bounds = group_pairs(sel, n_expert)
-        grouped = order, bounds, np.flatnonzero(np.diff(bounds)).tolist()
-        self._grouping = (key, grouped)
-        return grouped
+        grouping = Grouping.of(sel, n_expert)
+        self._grouping = (key, grouping)
+        return grouping
 
     def _slabs(self, experts: Sequence[Any]) -> Slabs | None:
         """What one compiled ``mul_mat_id`` needs for ``experts`` (remembered by the first of

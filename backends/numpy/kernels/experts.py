@@ -67,6 +67,8 @@ def mmid_legacy(buf, offs, n, x, src, dst, bounds, simd, threads, out, fmt):
     for c in prange(threads):
         g0, g1 = _chunk(groups, threads, c)
         for e in range(offs.shape[0]):
+            if bounds[e] == bounds[e + 1]:
+                continue  # no pair chose it: not even a loop over its rows
             for r in range(4 * g0, 4 * g1, 4):
                 for j in range(bounds[e], bounds[e + 1]):
                     t = src[j]
@@ -117,6 +119,8 @@ def _row_by_row(activations: Any, row: Any) -> Any:
         for c in prange(threads):
             r0, r1 = _chunk(n, threads, c)
             for e in range(offs.shape[0]):
+                if bounds[e] == bounds[e + 1]:
+                    continue  # no pair chose it
                 for r in range(r0, r1):
                     w = offs[e] + r * rb
                     for j in range(bounds[e], bounds[e + 1]):
