@@ -7,7 +7,8 @@ products that share an input (Q, K and V; gate and up): one call of the backend'
 ``matmuls(x, ws)`` where its class has one, else ``matmul`` on each; and :func:`expert_matmul`
 for a mixture of experts' products (ggml's ``mul_mat_id``: each token's rows times the experts
 the router chose for it), the backend's own ``expert_matmul`` where its class has one, else one
-``matmul`` per chosen expert over the rows routed to it. Everything else (norms, RoPE,
+``matmul`` per chosen expert over the rows routed to it (:func:`expert_matmuls` for those that
+share an input and a selection, up and gate, as :func:`matmuls`). Everything else (norms, RoPE,
 attention) is array-API code run on ``backend.xp``, attention a block of queries at a time
 (``attention_bytes``, optional too), its scores by :func:`attention_scores` (the backend's
 optional ``attention_scores(q, k)``, else ``q @ k^T``). A backend may compute some of that glue
@@ -187,6 +188,19 @@ def expert_matmul(backend: Backend, x: Any, experts: Sequence[Any], selected: An
     if own is not None:
         return own(backend, x, experts, selected)
     return grouped_expert_matmul(backend, x, experts, selected)
+
+
+def expert_matmuls(
+    backend: Backend, x: Any, tensors: Sequence[Sequence[Any]], selected: Any
+) -> tuple[Any, ...]:
+    """:func:`expert_matmul` of one input and selection with each expert tensor of ``tensors``
+    (up and gate): the backend's ``expert_matmuls(x, tensors, selected)`` where its class
+    defines one (the same numbers, in fewer calls), else :func:`expert_matmul` on each. Looked
+    up on the class, as :func:`matmuls`."""
+    fused = getattr(type(backend), "expert_matmuls", None)
+    if fused is None:
+        return tuple(expert_matmul(backend, x, t, selected) for t in tensors)
+    return tuple(fused(backend, x, tensors, selected))
 
 
 def group_pairs(selected: Any, n_expert: int) -> tuple[np.ndarray, np.ndarray]:

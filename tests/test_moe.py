@@ -29,7 +29,7 @@ import qllama
 from qllama.array_api import namespace, to_numpy
 from qllama.backends import get_backend
 from qllama.backends.base import QuantTensor, expert_matmul
-from qllama.errors import BackendError, ModelConfigError, WeightValueError
+from qllama.errors import BackendError, ModelConfigError, TensorShapeError, WeightValueError
 from qllama.ggml_types import GGMLType, ValueType
 from qllama.gguf.reader import GGUFValue
 from qllama.quants.rounding import libm
@@ -263,6 +263,34 @@ def test_the_compiled_mul_mat_id_equals_the_grouped_matmuls(
         for s in range(k):
             row = x[t : t + 1] if shared_input else x[t, s][None, :]
             np.testing.assert_array_equal(got[t, s], be.matmul(row, experts[selected[t, s]])[0])
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_K", "IQ4_XS"])
+@pytest.mark.parametrize("T", [1, 3, 16], ids=["decode", "few", "batch"])
+def test_up_and_gate_in_one_call_equal_each_alone(kind: str, T: int) -> None:
+    """``expert_matmuls``: two expert tensors of one input (up and gate, slabs of one buffer)
+    in one compiled call where no expert has a batch's many pairs, else one call each; the
+    bits of ``expert_matmul`` on each either way. One call: the kernel runs once."""
+    pytest.importorskip("numba")
+    from qllama.backends.base import expert_matmuls
+
+    be = get_backend("numpy", kernels="numba", threads=2)
+    rng = np.random.default_rng(5)
+    k, n, K, R = 2, 4, 256, 20
+    both = _slab_experts(be, rng, kind, 2 * n, R, K)  # up and gate: halves of one buffer
+    up, gate = both[:n], both[n:]
+    selected = np.stack([rng.choice(n, k, replace=False) for _ in range(T)]).astype(np.int32)
+    x = rng.standard_normal((T, K)).astype(np.float32)
+    calls = []
+    real = be._mul_mat_id
+    be._mul_mat_id = lambda *a: calls.append(1) or real(*a)  # type: ignore[method-assign]
+    got = expert_matmuls(be, x, [up, gate], selected)
+    if T < 16:  # at most 3 pairs an expert: both tensors in one call
+        assert calls == [1]
+    for y, experts in zip(got, (up, gate), strict=True):
+        np.testing.assert_array_equal(y, expert_matmul(be, x, experts, selected))
+    with pytest.raises(TensorShapeError, match="needs activations"):
+        expert_matmuls(be, x[:, :128], [up, gate], selected)
 
 
 @settings(max_examples=60, deadline=None)

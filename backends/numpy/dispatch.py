@@ -260,6 +260,11 @@ class Grouping:
     most: int  # the most pairs one expert has
     chosen: list[int]  # the experts some pair chose
 
+    # n -> :meth:`joint`'s arrays for n expert tensors
+    _joint: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
+
     @classmethod
     def of(cls, selected: np.ndarray, n_expert: int) -> Grouping:
         order, bounds = group_pairs(selected, n_expert)
@@ -267,6 +272,19 @@ class Grouping:
         by_token = order // selected.shape[1]
         chosen = np.flatnonzero(counts).tolist()
         return cls(order, bounds, by_token, counts, int(counts.max(initial=0)), chosen)
+
+    def joint(self, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The pairs of ``n`` expert tensors that share an input (up and gate) as one call of
+        ``n * n_expert`` experts takes them: each pair's token, its output row (tensor i's
+        rows ``i*P .. (i+1)*P``, P pairs) and the bounds, expert ``e`` of tensor ``i`` being
+        expert ``i * n_expert + e``."""
+        if n not in self._joint:
+            P = self.order.size
+            src = np.tile(self.by_token, n)  # (n*P,)
+            dst = np.concatenate([self.order + i * P for i in range(n)])  # (n*P,)
+            bounds = np.concatenate([self.bounds[:-1] + i * P for i in range(n)] + [[n * P]])
+            self._joint[n] = src, dst, bounds
+        return self._joint[n]
 
 
 def _one_buffer(ws: Sequence[Packed]) -> tuple[np.ndarray, np.ndarray] | None:
@@ -578,10 +596,8 @@ class NumpyBackend(ArrayBackend):
         if slabs is None:
             return grouped_expert_matmul(self, x, experts, selected)
         g = self._grouped(selected, len(experts))
-        if not slabs.exact.issuperset(g.chosen):
-            if not all(cast(Packed, experts[e]).kernels_exact for e in g.chosen):
-                return grouped_expert_matmul(self, x, experts, selected)
-            slabs.exact.update(g.chosen)
+        if not self._exact(slabs, [experts], g.chosen):
+            return grouped_expert_matmul(self, x, experts, selected)
         T, k = selected.shape
         x = np.ascontiguousarray(x, dtype=F32)
         if x.shape[-1] != slabs.row_length or x.shape[:-1] not in ((T,), (T, k)):
@@ -611,6 +627,43 @@ class NumpyBackend(ArrayBackend):
         out = np.empty_like(grouped)
         out[g.order] = grouped  # (T*k, rows) token-major, slot-minor
         return out.reshape(T, k, slabs.rows)
+
+    def expert_matmuls(
+        self, x: Any, tensors: Sequence[Sequence[Packed | Dense]], selected: Any
+    ) -> tuple[Any, ...]:
+        """:func:`~qllama.backends.base.expert_matmuls`: a decode step's products with several
+        expert tensors of one input (up and gate, views of one file's map) in one compiled
+        ``mul_mat_id``, each token's row quantized once for all; else (a batch, or what one
+        call cannot take) :meth:`expert_matmul` on each. The same numbers either way."""
+        joint = None
+        if len(tensors) > 1 and self.kernels == "numba" and self._q8 and np.ndim(x) == 2:
+            joint = self._slabs([e for t in tensors for e in t])  # one format, shape, buffer
+        if joint is None or np.shape(x) != (np.shape(selected)[0], joint.row_length):
+            return tuple(self.expert_matmul(x, t, selected) for t in tensors)
+        n, n_expert = len(tensors), len(tensors[0])
+        g = self._grouped(selected, n_expert)
+        every = [i * n_expert + e for i in range(n) for e in g.chosen]
+        if g.most >= joint.tile_rows or not self._exact(joint, tensors, every):
+            return tuple(self.expert_matmul(x, t, selected) for t in tensors)
+        T, k = selected.shape
+        x2 = np.ascontiguousarray(x, dtype=F32)  # (T, K)
+        src, dst, bounds = g.joint(n)
+        out = np.empty((n * T * k, joint.rows), F32)  # (n*P, rows): tensor by tensor
+        self._mul_mat_id(joint, x2, src, dst, bounds, out)
+        return tuple(part.reshape(T, k, joint.rows) for part in np.split(out, n))
+
+    def _exact(self, slabs: Slabs, tensors: Sequence[Sequence[Any]], chosen: list[int]) -> bool:
+        """Whether the kernels give the oracle's bits for each expert ``chosen`` (indices into
+        the experts of ``tensors``, tensor by tensor), each checked once, when first chosen."""
+        if slabs.exact.issuperset(chosen):
+            return True
+        n_expert = len(tensors[0])
+        if not all(
+            cast(Packed, tensors[e // n_expert][e % n_expert]).kernels_exact for e in chosen
+        ):
+            return False
+        slabs.exact.update(chosen)
+        return True
 
     def _mul_mat_id(
         self,

@@ -11,8 +11,9 @@ the rest is read from the config (:mod:`qllama.runtime.architectures`): the RoPE
 layer's rotation and window, which norms and biases the weights have, the gate's activation, and the
 scalars (query scale, soft-caps, embedding, residual and logit scales); and, where the file has
 experts, the mixture's routing (the gating, the normalisation of the weights, the shared expert).
-A mixture's products go to the backend as ggml's ``mul_mat_id`` (:func:`expert_matmul`): which
-rows meet which expert is the backend's business, as any product is.
+A mixture's products go to the backend as ggml's ``mul_mat_id`` (:func:`expert_matmuls`: up and
+gate in one call, as :func:`matmuls` takes Q, K and V): which rows meet which expert is the
+backend's business, as any product is.
 
 RoPE follows the GGUF convention: convert_hf_to_gguf permutes the rows of Q and K of the
 llama-style architectures so that rotating adjacent pairs (x[2i], x[2i+1]) here equals
@@ -34,7 +35,7 @@ from qllama.backends.base import (
     Backend,
     attention_bytes,
     attention_scores,
-    expert_matmul,
+    expert_matmuls,
     glue,
     matmuls,
     router_softmax,
@@ -911,16 +912,24 @@ class Model:
             sum_rows=self.gate_sum,
         )  # (T, k)
         flat = xp.reshape(selected, (-1,))  # (T*k,) for the experts' biases
-        up = self._experts(x, layer.ffn_up_exps, layer.ffn_up_exps_bias, selected, flat)
         if layer.ffn_gate_exps is None:  # no gate: the activation of up alone
+            (up,) = self._experts(x, selected, flat, (layer.ffn_up_exps, layer.ffn_up_exps_bias))
             h = self.activation(up, xp=xp)
         else:
-            gate = self._experts(x, layer.ffn_gate_exps, layer.ffn_gate_exps_bias, selected, flat)
+            up, gate = self._experts(
+                x,
+                selected,
+                flat,
+                (layer.ffn_up_exps, layer.ffn_up_exps_bias),
+                (layer.ffn_gate_exps, layer.ffn_gate_exps_bias),
+            )  # (T, k, n_ff_exp) each
             if e.activation == ExpertActivation.SWIGLU_OAI:
                 h = swiglu_oai(gate, up, xp=xp)
             else:
                 h = self.gated(gate, up)  # (T, k, n_ff_exp)
-        down = self._experts(h, layer.ffn_down_exps, layer.ffn_down_exps_bias, selected, flat)
+        (down,) = self._experts(
+            h, selected, flat, (layer.ffn_down_exps, layer.ffn_down_exps_bias)
+        )  # (T, k, n_embd)
         down = down * weights[:, :, None]  # (T, k, n_embd)
         out = down[:, 0, :]  # (T, n_embd)
         for s in range(1, k):  # one add per slot, in slot order, as ggml's chain of adds
@@ -944,15 +953,17 @@ class Model:
         return got
 
     def _experts(
-        self, x: Array, ws: Sequence[Any] | None, bias: Array, selected: Array, flat: Array
-    ) -> Array:
-        """Each token's products with its selected experts (T, k, rows), plus each selected
-        expert's bias row where the file has biases (ggml_add_id)."""
-        assert ws is not None
-        y = expert_matmul(self.backend, x, ws, selected)  # (T, k, rows)
-        if bias is None:
-            return y
-        return y + self.xp.reshape(self.xp.take(bias, flat, axis=0), y.shape)
+        self, x: Array, selected: Array, flat: Array, *pairs: tuple[Any, Array]
+    ) -> list[Array]:
+        """Each token's products with its selected experts (T, k, rows) for each (expert
+        tensor, bias or None) of one input, in one backend call; plus each selected expert's
+        bias row where the file has biases (ggml_add_id)."""
+        ys = expert_matmuls(self.backend, x, [ws for ws, _ in pairs], selected)
+        xp = self.xp
+        return [
+            y if b is None else y + xp.reshape(xp.take(b, flat, axis=0), y.shape)
+            for y, (_, b) in zip(ys, pairs, strict=True)
+        ]
 
     def _shared_expert(self, x: Array, layer: LayerWeights, e: Experts) -> Array:
         """The always-on expert (T, n_embd); qwen2moe's is gated by silu(g)/g, llama.cpp's
