@@ -277,8 +277,22 @@ def test_up_and_gate_in_one_call_equal_each_alone(kind: str, T: int) -> None:
     be = get_backend("numpy", kernels="numba", threads=2)
     rng = np.random.default_rng(5)
     k, n, K, R = 2, 4, 256, 20
-    both = _slab_experts(be, rng, kind, 2 * n, R, K)  # up and gate: halves of one buffer
-    up, gate = both[:n], both[n:]
+    # up and gate as a file's map holds them: each tensor a view of the map, each expert's
+    # slab a view of its tensor
+    both = _slab_experts(be, rng, kind, 2 * n, R, K)
+    data = np.concatenate([e.tensor.data for e in both])  # the map: up's slabs, then gate's
+    size = data.size // 2
+
+    def tensor(i: int) -> tuple[Any, ...]:
+        view = np.frombuffer(memoryview(data), np.uint8, size, i * size)  # as tensor_data
+        slab = size // n
+        return tuple(
+            be.prepare(dataclasses.replace(both[e].tensor, data=view[e * slab : (e + 1) * slab]))
+            for e in range(n)
+        )
+
+    up, gate = tensor(0), tensor(1)
+    assert be._slabs([*up, *gate]) is not None  # one buffer: the map
     selected = np.stack([rng.choice(n, k, replace=False) for _ in range(T)]).astype(np.int32)
     x = rng.standard_normal((T, K)).astype(np.float32)
     calls = []

@@ -94,9 +94,12 @@ SERIAL_MACS = 1 << 17
 
 
 def _exporter(a: np.ndarray) -> Any:
-    """The object whose buffer ``a`` views (the file's map, for a file's tensors; each
-    ``np.frombuffer`` of a memoryview has a memoryview of its own), or None."""
+    """The object whose buffer ``a`` views, through views of views (the file's map, for a
+    file's tensors and their experts' slabs; each ``np.frombuffer`` of a memoryview has a
+    memoryview of its own), or None."""
     base = a.base
+    while isinstance(base, np.ndarray) and base.base is not None:
+        base = base.base  # a slab of an expert tensor: a view of the tensor's view
     return base.obj if isinstance(base, memoryview) else base
 
 
