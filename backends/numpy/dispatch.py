@@ -263,11 +263,6 @@ class Grouping:
     most: int  # the most pairs one expert has
     chosen: list[int]  # the experts some pair chose
 
-    # n -> :meth:`joint`'s arrays for n expert tensors
-    _joint: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = field(
-        default_factory=dict, compare=False, repr=False
-    )
-
     @classmethod
     def of(cls, selected: np.ndarray, n_expert: int) -> Grouping:
         order, bounds = group_pairs(selected, n_expert)
@@ -275,19 +270,6 @@ class Grouping:
         by_token = order // selected.shape[1]
         chosen = np.flatnonzero(counts).tolist()
         return cls(order, bounds, by_token, counts, int(counts.max(initial=0)), chosen)
-
-    def joint(self, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The pairs of ``n`` expert tensors that share an input (up and gate) as one call of
-        ``n * n_expert`` experts takes them: each pair's token, its output row (tensor i's
-        rows ``i*P .. (i+1)*P``, P pairs) and the bounds, expert ``e`` of tensor ``i`` being
-        expert ``i * n_expert + e``."""
-        if n not in self._joint:
-            P = self.order.size
-            src = np.tile(self.by_token, n)  # (n*P,)
-            dst = np.concatenate([self.order + i * P for i in range(n)])  # (n*P,)
-            bounds = np.concatenate([self.bounds[:-1] + i * P for i in range(n)] + [[n * P]])
-            self._joint[n] = src, dst, bounds
-        return self._joint[n]
 
 
 def _one_buffer(ws: Sequence[Packed]) -> tuple[np.ndarray, np.ndarray] | None:
@@ -650,9 +632,8 @@ class NumpyBackend(ArrayBackend):
             return tuple(self.expert_matmul(x, t, selected) for t in tensors)
         T, k = selected.shape
         x2 = np.ascontiguousarray(x, dtype=F32)  # (T, K)
-        src, dst, bounds = g.joint(n)
         out = np.empty((n * T * k, joint.rows), F32)  # (n*P, rows): tensor by tensor
-        self._mul_mat_id(joint, x2, src, dst, bounds, out)
+        self._mul_mat_id(joint, x2, g.by_token, g.order, g.bounds, out)
         return tuple(part.reshape(T, k, joint.rows) for part in np.split(out, n))
 
     def _exact(self, slabs: Slabs, tensors: Sequence[Sequence[Any]], chosen: list[int]) -> bool:
@@ -678,7 +659,9 @@ class NumpyBackend(ArrayBackend):
         out: np.ndarray,
     ) -> None:
         """The compiled ``mul_mat_id`` of :meth:`expert_matmul`: expert ``e``'s pairs
-        ``bounds[e]:bounds[e + 1]``, rows ``src`` of ``x2``, into rows ``order`` of ``out``."""
+        ``bounds[e]:bounds[e + 1]``, rows ``src`` of ``x2``, into rows ``order`` of ``out``;
+        where ``slabs`` holds several tensors' experts (:meth:`expert_matmuls`), each
+        tensor's into its own block of rows of ``out``, in turn."""
         from qllama.backends.numpy.kernels import experts as kernels
 
         _, threads = self._kernels_for_this_thread()

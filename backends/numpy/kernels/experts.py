@@ -4,10 +4,13 @@ The call takes the rows of the activations ``x`` (R, K), each token's row once (
 R = T) or each (token, slot)'s (down: R = T*k), and the pairs (token, slot) grouped by the
 expert they chose, as ggml buckets them: pair ``j`` of expert ``e`` (``bounds[e] <= j <
 bounds[e+1]``) multiplies row ``src[j]`` of ``x`` by expert ``e`` and writes row ``dst[j]`` of
-the output (P, n). Each row of ``x`` is quantized once to the experts' ``vec_dot_type`` (ggml
-quantizes ``src1`` once per call, before any expert), then each selected expert's weight rows
-are read from the file's map, split over the threads, and meet only the rows routed to them;
-an expert no pair chose is never read.
+the output (P, n). Several expert tensors of one input and selection (up and gate) go in one
+call: ``offs`` holds each tensor's experts in turn (expert ``e`` of tensor ``i`` at
+``offs[i * n_expert + e]``), and tensor ``i`` writes rows ``i*P .. (i+1)*P`` of the output. Each
+row of ``x`` is quantized once to the experts' ``vec_dot_type`` (ggml quantizes ``src1`` once
+per call, before any expert), then each selected expert's weight rows are read from the file's
+map, split over the threads, and meet only the rows routed to them; an expert no pair chose is
+never read, nor are its rows looped over.
 
 The products per (row, weight row) are those of the decoding kernels
 (:mod:`qllama.backends.numpy.kernels.gemv`: the 32-block formats, IQ4_NL and MXFP4 four rows a
@@ -54,8 +57,9 @@ from qllama.jit import INLINE, named_kernel
 @njit(**INLINE)
 def mmid_legacy(buf, offs, n, x, src, dst, bounds, simd, threads, out, fmt):
     """The 32-block formats, IQ4_NL and MXFP4: ``out[dst[j]*n:][:n] = x[src[j]] @ W_e.T`` for every
-    pair ``j`` of every expert ``e`` (its ``n`` rows at byte ``offs[e]`` of ``buf``); each
-    thread takes a share of every selected expert's rows, four at a time."""
+    pair ``j`` of every expert ``e`` (its ``n`` rows at byte ``offs[e]`` of ``buf``; of each
+    tensor, its own output rows, as the module says); each thread takes a share of every
+    selected expert's rows, four at a time."""
     k = x.shape[1]
     nb = k // 32
     rb = nb * SIZES[fmt]
@@ -64,23 +68,26 @@ def mmid_legacy(buf, offs, n, x, src, dst, bounds, simd, threads, out, fmt):
     centre = Q8_0_CENTRE if fmt == Q8_0 else centre
     qx, dx, sx, cx = q8_activations(x, simd, with_m, centre)  # every row once
     groups = n // 4
+    n_expert = bounds.shape[0] - 1
+    per_tensor = out.shape[0] // (n * (offs.shape[0] // n_expert))  # P: output rows a tensor
     for c in prange(threads):
         g0, g1 = _chunk(groups, threads, c)
-        for e in range(offs.shape[0]):
+        for i in range(offs.shape[0]):
+            e = i % n_expert  # the expert; i // n_expert, its tensor
             if bounds[e] == bounds[e + 1]:
                 continue  # no pair chose it: not even a loop over its rows
+            at = i // n_expert * per_tensor
             for r in range(4 * g0, 4 * g1, 4):
                 for j in range(bounds[e], bounds[e + 1]):
                     t = src[j]
-                    w = offs[e] + r * rb
-                    _four_rows(
-                        buf, w, rb, nb, qx, t * k, cx[t], dx[t], sx[t], out, dst[j] * n + r, fmt
-                    )
+                    w = offs[i] + r * rb
+                    o = (at + dst[j]) * n + r
+                    _four_rows(buf, w, rb, nb, qx, t * k, cx[t], dx[t], sx[t], out, o, fmt)
             if c == threads - 1:
                 for r in range(4 * groups, n):
                     for j in range(bounds[e], bounds[e + 1]):
                         t = src[j]
-                        w = offs[e] + r * rb
+                        w = offs[i] + r * rb
                         legacy_rows(
                             buf,
                             w,
@@ -92,7 +99,7 @@ def mmid_legacy(buf, offs, n, x, src, dst, bounds, simd, threads, out, fmt):
                             dx[t],
                             sx[t],
                             out,
-                            dst[j] * n + r,
+                            (at + dst[j]) * n + r,
                             fmt,
                             1,
                         )
@@ -116,15 +123,19 @@ def _row_by_row(activations: Any, row: Any) -> Any:
     def mmid(buf, offs, n, x, src, dst, bounds, simd, threads, out, fmt):
         acts = activations(x, fmt)  # every row once
         rb = acts[0]
+        n_expert = bounds.shape[0] - 1
+        per_tensor = out.shape[0] // (n * (offs.shape[0] // n_expert))
         for c in prange(threads):
             r0, r1 = _chunk(n, threads, c)
-            for e in range(offs.shape[0]):
+            for i in range(offs.shape[0]):
+                e = i % n_expert
                 if bounds[e] == bounds[e + 1]:
                     continue  # no pair chose it
+                at = i // n_expert * per_tensor
                 for r in range(r0, r1):
-                    w = offs[e] + r * rb
+                    w = offs[i] + r * rb
                     for j in range(bounds[e], bounds[e + 1]):
-                        row(buf, w, acts, src[j], out, dst[j] * n + r, fmt)
+                        row(buf, w, acts, src[j], out, (at + dst[j]) * n + r, fmt)
 
     return mmid
 

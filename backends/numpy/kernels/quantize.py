@@ -132,7 +132,7 @@ def _q8_block(x, o, simd, qs):
     for j in range(32):
         v = np.int8(_c_int32(_round_away(x[o + j] * inv)))
         qs[o + j] = v
-        total += int(v)
+        total += np.int32(v)
     return d, np.int32(total)
 
 
@@ -140,6 +140,10 @@ def _q8_block(x, o, simd, qs):
 def _abs_bits(x: float) -> int:
     """|x| as an int32 whose order is that of the non-NaN floats (NaN: above 0x7F800000)."""
     return float_bits(x) & 0x7FFFFFFF
+
+
+# The sums of codes below add np.int32(v), not int(v): numba's int() of an int8 kept LLVM from
+# vectorizing the loop (a row of 1024 activations to Q8_0 took 3.5 us, now 1.5; one thread).
 
 
 @njit(**JIT)
@@ -174,7 +178,7 @@ def q8_row(flat, t, k, simd, with_sum, qs, d, s):
                 for j in range(32):
                     v = np.int8(_c_int32(_round_away(flat[o + j] * inv)))
                     qs[o + j] = v
-                    total += int(v)
+                    total += np.int32(v)
         d[t, b] = _half(df)
         if with_sum:
             s[t, b] = _half(np.float32(np.int32(total)) * df)
@@ -205,7 +209,7 @@ def q8k_row(flat, t, k, qs, d, bsums):
             for j in range(16):
                 v = np.int8(min(_nearest_int(iscale * flat[o + 16 * g + j]), 127))
                 qs[o + 16 * g + j] = v
-                acc += int(v)
+                acc += np.int32(v)
             bsums[t, b * 16 + g] = acc
 
 
