@@ -634,7 +634,8 @@ class NumpyBackend(ArrayBackend):
         x2 = np.ascontiguousarray(x, dtype=F32)  # (T, K)
         out = np.empty((n * T * k, joint.rows), F32)  # (n*P, rows): tensor by tensor
         self._mul_mat_id(joint, x2, g.by_token, g.order, g.bounds, out)
-        return tuple(part.reshape(T, k, joint.rows) for part in np.split(out, n))
+        P = T * k
+        return tuple(out[i * P : (i + 1) * P].reshape(T, k, joint.rows) for i in range(n))
 
     def _exact(self, slabs: Slabs, tensors: Sequence[Sequence[Any]], chosen: list[int]) -> bool:
         """Whether the kernels give the oracle's bits for each expert ``chosen`` (indices into
