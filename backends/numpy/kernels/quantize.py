@@ -132,7 +132,7 @@ def _q8_block(x, o, simd, qs):
         amax = amax if amax > a else a  # C MAX: a NaN replaces the running max
     d = amax / F32(127)
     inv = F32(1) / d if d != 0 else F32(0)
-    total = 0
+    total = np.int32(0)
     for j in range(32):
         v = np.int8(_c_int32(_round_away(x[o + j] * inv)))
         qs[o + j] = v
@@ -205,7 +205,7 @@ def q8k_row(flat, t, k, qs, d, bsums):
         iscale = F32(0) if top == 0 else F32(-127) / top
         d[t, b] = F32(0) if top == 0 else F32(1) / iscale
         for g in range(16):
-            acc = 0
+            acc = np.int32(0)
             for j in range(16):
                 v = np.int8(min(_nearest_int(iscale * flat[o + 16 * g + j]), 127))
                 qs[o + 16 * g + j] = v
