@@ -569,20 +569,30 @@ class NumpyBackend(ArrayBackend):
 
     def expert_matmul(self, x: Any, experts: Sequence[Packed | Dense], selected: Any) -> Any:
         """ggml's ``mul_mat_id`` (:func:`~qllama.backends.base.expert_matmul`), ``(T, k,
-        rows)``: in the CPU arithmetic with the compiled kernels, one call
-        (:mod:`~qllama.backends.numpy.kernels.experts`) that quantizes each row of ``x`` once
-        and reads only the selected experts' rows, a row at a time; but an expert that as many
-        pairs chose as the dense products meet in token tiles (``Slabs.tile_rows``: a batch)
-        meets them there, in one ``matmul``. Else (another mode, a format without that call,
-        a selected Q8_0 expert the kernels do not compute exactly) one ``matmul`` per selected
-        expert. The same numbers every way: under the CPU arithmetic a row's product does not
-        depend on the other rows of its call."""
+        rows)``: :meth:`expert_matmuls` of one expert tensor."""
+        return self.expert_matmuls(x, [experts], selected)[0]
+
+    def expert_matmuls(
+        self, x: Any, tensors: Sequence[Sequence[Packed | Dense]], selected: Any
+    ) -> tuple[Any, ...]:
+        """:func:`~qllama.backends.base.expert_matmuls`, ``(T, k, rows)`` each: in the CPU
+        arithmetic with the compiled kernels, one call
+        (:mod:`~qllama.backends.numpy.kernels.experts`) for all the tensors (up and gate,
+        views of one file's map), which quantizes each row of ``x`` once and reads only the
+        selected experts' rows; but an expert that as many pairs chose as the dense products
+        meet in token tiles (``Slabs.tile_rows``: a batch) meets them there, in one ``matmul``
+        a tensor. Else (another mode, a format without that call, tensors one call cannot
+        take, a selected Q8_0 expert the kernels do not compute exactly) each tensor by
+        itself, or one ``matmul`` per selected expert. The same numbers every way: under the
+        CPU arithmetic a row's product does not depend on the other rows of its call."""
+        n = len(tensors)
+        experts = [e for t in tensors for e in t]  # tensor by tensor
         slabs = self._slabs(experts) if self.kernels == "numba" and self._q8 else None
         if slabs is None:
-            return grouped_expert_matmul(self, x, experts, selected)
-        g = self._grouped(selected, len(experts))
-        if not self._exact(slabs, [experts], g.chosen):
-            return grouped_expert_matmul(self, x, experts, selected)
+            return self._apart(x, tensors, selected)
+        g = self._grouped(selected, len(tensors[0]))
+        if not self._exact(slabs, experts, g.chosen, n):
+            return self._apart(x, tensors, selected)
         T, k = selected.shape
         x = np.ascontiguousarray(x, dtype=F32)
         if x.shape[-1] != slabs.row_length or x.shape[:-1] not in ((T,), (T, k)):
@@ -592,62 +602,50 @@ class NumpyBackend(ArrayBackend):
             )
         x2 = x.reshape(-1, slabs.row_length)  # (T or T*k, K): each token's or pair's row
         src = g.order if x.ndim == 3 else g.by_token  # the row of x2 of each grouped pair
+        P = T * k
         if g.most < slabs.tile_rows:  # each pair's products straight to its row j
-            out = np.empty((T * k, slabs.rows), F32)
+            out = np.empty((n * P, slabs.rows), F32)  # (n*P, rows): tensor by tensor
             self._mul_mat_id(slabs, x2, src, g.order, g.bounds, out)
-            return out.reshape(T, k, slabs.rows)
+            return tuple(out[i * P : (i + 1) * P].reshape(T, k, slabs.rows) for i in range(n))
         # a batch: an expert many pairs chose meets them in token tiles, on its pairs' rows
         # gathered (grouped order: a slice an expert); then every row to its pair's place
         counts, bounds = g.counts, g.bounds
         tiled = counts >= slabs.tile_rows  # (n_expert,)
-        grouped = np.empty((g.order.size, slabs.rows), F32)  # (P, rows), grouped
+        grouped = np.empty((n * P, slabs.rows), F32)  # (n*P, rows), each tensor grouped
         xg = x2[src]  # (P, K), grouped
         for e in np.flatnonzero(tiled).tolist():
             a, b = bounds[e], bounds[e + 1]
-            grouped[a:b] = self.matmul(xg[a:b], experts[e])  # (b - a, rows)
+            for i, t in enumerate(tensors):
+                grouped[i * P + a : i * P + b] = self.matmul(xg[a:b], t[e])  # (b - a, rows)
         few = np.repeat(~tiled, counts)  # the other experts' pairs, still grouped
         if few.any():
             fewer = np.concatenate([[0], np.cumsum(np.where(tiled, 0, counts))])
             self._mul_mat_id(slabs, x2, src[few], np.flatnonzero(few), fewer, grouped)
-        out = np.empty_like(grouped)
-        out[g.order] = grouped  # (T*k, rows) token-major, slot-minor
-        return out.reshape(T, k, slabs.rows)
+        out = np.empty((n, P, slabs.rows), F32)
+        out[:, g.order] = grouped.reshape(n, P, slabs.rows)  # token-major, slot-minor
+        return tuple(out[i].reshape(T, k, slabs.rows) for i in range(n))
 
-    def expert_matmuls(
+    def _apart(
         self, x: Any, tensors: Sequence[Sequence[Packed | Dense]], selected: Any
     ) -> tuple[Any, ...]:
-        """:func:`~qllama.backends.base.expert_matmuls`: a decode step's products with several
-        expert tensors of one input (up and gate, views of one file's map) in one compiled
-        ``mul_mat_id``, each token's row quantized once for all; else (a batch, or what one
-        call cannot take) :meth:`expert_matmul` on each. The same numbers either way."""
-        joint = None
-        if len(tensors) > 1 and self.kernels == "numba" and self._q8 and np.ndim(x) == 2:
-            joint = self._slabs([e for t in tensors for e in t])  # one format, shape, buffer
-        if joint is None or np.shape(x) != (np.shape(selected)[0], joint.row_length):
+        """:meth:`expert_matmuls` where one compiled call cannot take the tensors together:
+        each tensor by itself (a call of its own, where one takes it), or, for one tensor,
+        one ``matmul`` per selected expert."""
+        if len(tensors) > 1:
             return tuple(self.expert_matmul(x, t, selected) for t in tensors)
-        n, n_expert = len(tensors), len(tensors[0])
-        g = self._grouped(selected, n_expert)
-        every = [i * n_expert + e for i in range(n) for e in g.chosen]
-        if g.most >= joint.tile_rows or not self._exact(joint, tensors, every):
-            return tuple(self.expert_matmul(x, t, selected) for t in tensors)
-        T, k = selected.shape
-        x2 = np.ascontiguousarray(x, dtype=F32)  # (T, K)
-        out = np.empty((n * T * k, joint.rows), F32)  # (n*P, rows): tensor by tensor
-        self._mul_mat_id(joint, x2, g.by_token, g.order, g.bounds, out)
-        P = T * k
-        return tuple(out[i * P : (i + 1) * P].reshape(T, k, joint.rows) for i in range(n))
+        return (grouped_expert_matmul(self, x, tensors[0], selected),)
 
-    def _exact(self, slabs: Slabs, tensors: Sequence[Sequence[Any]], chosen: list[int]) -> bool:
-        """Whether the kernels give the oracle's bits for each expert ``chosen`` (indices into
-        the experts of ``tensors``, tensor by tensor), each checked once, when first chosen."""
-        if slabs.exact.issuperset(chosen):
+    def _exact(self, slabs: Slabs, experts: Sequence[Any], chosen: list[int], n: int) -> bool:
+        """Whether the kernels give the oracle's bits for each expert ``chosen`` of each of
+        the ``n`` tensors whose experts ``experts`` holds in turn, each checked once, when
+        first chosen (the check reads its slab)."""
+        n_expert = len(experts) // n
+        every = [i * n_expert + e for i in range(n) for e in chosen]
+        if slabs.exact.issuperset(every):
             return True
-        n_expert = len(tensors[0])
-        if not all(
-            cast(Packed, tensors[e // n_expert][e % n_expert]).kernels_exact for e in chosen
-        ):
+        if not all(cast(Packed, experts[e]).kernels_exact for e in every):
             return False
-        slabs.exact.update(chosen)
+        slabs.exact.update(every)
         return True
 
     def _mul_mat_id(
@@ -659,7 +657,7 @@ class NumpyBackend(ArrayBackend):
         bounds: np.ndarray,
         out: np.ndarray,
     ) -> None:
-        """The compiled ``mul_mat_id`` of :meth:`expert_matmul`: expert ``e``'s pairs
+        """The compiled ``mul_mat_id`` of :meth:`expert_matmuls`: expert ``e``'s pairs
         ``bounds[e]:bounds[e + 1]``, rows ``src`` of ``x2``, into rows ``order`` of ``out``;
         where ``slabs`` holds several tensors' experts (:meth:`expert_matmuls`), each
         tensor's into its own block of rows of ``out``, in turn."""

@@ -442,6 +442,11 @@ def _piece(v: Vocabulary, i: int) -> bytes:
 _SURROGATES = re.compile("[\ud800-\udfff]")
 
 
+def _has_surrogates(text: str) -> bool:
+    """Whether ``text`` holds a lone surrogate (which cannot become UTF-8)."""
+    return not text.isascii() and _SURROGATES.search(text) is not None
+
+
 def _build_rust(v: Vocabulary) -> _RustTokenizer:
     vocab = {t: i for i, t in enumerate(v.tokens)}
     merges = [(v.tokens[a], v.tokens[b]) for a, b in v.merges.tolist()]
@@ -551,7 +556,7 @@ class Tokenizer:
         """The id of the token whose stored text is ``text``, or None."""
         if not isinstance(text, str):
             raise TypeError(f"text must be str, not {type(text).__name__}")
-        if not text.isascii() and _SURROGATES.search(text):
+        if _has_surrogates(text):
             return None  # no token's text has a lone surrogate (they cannot become UTF-8)
         return self._rust.token_to_id(text)  # the BPE's own map: text -> its last id
 
@@ -575,7 +580,7 @@ class Tokenizer:
             )
         if isinstance(text, bytes):
             return text.decode("utf-8", "replace")  # llama.cpp also replaces bad bytes
-        if not text.isascii() and _SURROGATES.search(text):
+        if _has_surrogates(text):
             return _SURROGATES.sub("\ufffd", text)  # lone surrogates cannot become UTF-8
         return text
 

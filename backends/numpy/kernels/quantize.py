@@ -97,10 +97,6 @@ def _maxps(p: float, q: float) -> float:
 
 # --- activation quantizers ---------------------------------------------------------------------
 
-# q8_row and q8k_row sum their int8 codes as np.int32(v), not int(v): numba's int() of an int8
-# kept LLVM from vectorizing q8_row's loop (a row of 1024 activations to Q8_0 took 3.5-3.9 us,
-# now 1.5-1.8; one thread).
-
 # At least this many tokens: quantize and multiply with the token-tiled loops, in parallel.
 TOKEN_TILE = 16
 
@@ -151,8 +147,10 @@ def q8_row(flat, t, k, simd, with_sum, qs, d, s):
     """Token ``t`` of Q8_0 / Q8_1: its blocks' codes, stored d and (Q8_1) stored s.
 
     Blocks without NaN take a vectorizable path: the largest |x| from an integer max of
-    the bits (any order gives it), then each element on its own. A block with a NaN, where
-    the order of ggml's scans decides the result, takes :func:`_q8_block`'s exact scans.
+    the bits (any order gives it), then each element on its own, the codes summed as
+    ``np.int32(v)`` (numba's ``int(v)`` of an int8 kept LLVM from vectorizing the loop: a
+    1024-wide row took 3.5-3.9 us, now 1.5-1.8, one thread). A block with a NaN, where the
+    order of ggml's scans decides the result, takes :func:`_q8_block`'s exact scans.
     """
     for b in range(k // 32):
         o = t * k + b * 32
