@@ -54,6 +54,7 @@ from qllama.backends.base import (
 from qllama.backends.numpy import router
 from qllama.backends.numpy.heap import keep_large_buffers
 from qllama.backends.numpy.oracle import Activations, WeightBlocks, vec_dot
+from qllama.backends.numpy.pairwise import zero_tail_span
 from qllama.errors import BackendError, TensorShapeError
 from qllama.ggml_types import GGMLType
 from qllama.quants.base import Fields, QuantType, Rounding
@@ -142,10 +143,10 @@ class Packed:
         default_factory=dict, compare=False, repr=False
     )
 
-    # the experts' slabs of the 3-D tensor this weight's slab leads: the ids of the other
-    # experts -> their Slabs (None: no one compiled mul_mat_id takes them); held here for
-    # the reason ``streams`` is
-    slabs: dict[tuple[int, ...], Slabs | None] = field(
+    # the expert tensors whose first slab this weight is: the ids of the tensors -> the
+    # tensors, their experts in turn, and their Slabs (None: no one compiled mul_mat_id takes
+    # them); held here for the reason ``streams`` is
+    slabs: dict[tuple[int, ...], tuple[tuple[Any, ...], list[Any], Slabs | None]] = field(
         default_factory=dict, compare=False, repr=False
     )
 
@@ -312,6 +313,44 @@ def keys_first_exact() -> bool:
     return True
 
 
+def attention_scores(q: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """``q @ k^T`` per KV head, for at most :data:`KEYS_FIRST_ROWS` query rows as ``(k @
+    q^T)^T`` where those are the same bits."""
+    if q.shape[1] > KEYS_FIRST_ROWS or not keys_first_exact():
+        return np.matmul(q, k.transpose(0, 2, 1))
+    # C order: the softmax's sums then run along contiguous rows, as they did before
+    return np.ascontiguousarray(np.matmul(k, q.transpose(0, 2, 1)).transpose(0, 2, 1))
+
+
+@functools.cache
+def spans_exact() -> bool:
+    """Whether the probabilities and values of the first slots of a cache
+    (:func:`zero_tail_span`) give this process's bits of all of them, where the slots past
+    the span have zero probabilities: each row's numpy sum over the span is its sum over the
+    whole row, and the span's probabilities times its values are all of them times all the
+    values, for at most :data:`KEYS_FIRST_ROWS` query rows a KV head (a decode step's).
+    Checked once, on sample shapes (OpenBLAS's AVX-512 kernels: all equal). Not so for more
+    rows, whose product OpenBLAS cuts where the number of slots says; nor for the scores of
+    the span's keys alone, which it rounds otherwise for another number of keys (the
+    attention computes the scores of all the keys)."""
+    rng = np.random.default_rng(0)
+    rows_ = range(1, KEYS_FIRST_ROWS + 1)
+    for rows, hd, capacity in itertools.product(rows_, (64, 128), (256, 768, 1024)):
+        v = rng.standard_normal((2, capacity, hd)).astype(F32)
+        for used in (1, 40, 100, 129, 200, 300, 600):
+            span = zero_tail_span(used, capacity)
+            if span >= capacity:
+                continue
+            p = rng.random((2, rows, capacity)).astype(F32)
+            p[..., used:] = 0
+            if not (
+                np.array_equal(np.sum(p[..., :span], axis=-1), np.sum(p, axis=-1))
+                and np.array_equal(np.matmul(p[..., :span], v[:, :span, :]), np.matmul(p, v))
+            ):
+                return False
+    return True
+
+
 class NumpyBackend(ArrayBackend):
     """The CPU arithmetic (``activations="q8"``), or the GPU one on numpy (``"f32"``)."""
 
@@ -446,10 +485,17 @@ class NumpyBackend(ArrayBackend):
         """``q @ k^T`` per KV head (:func:`~qllama.backends.base.attention_scores`), for a
         decode step's few query rows as ``(k @ q^T)^T`` where those are the same bits
         (:data:`KEYS_FIRST_ROWS`)."""
-        if q.shape[1] > KEYS_FIRST_ROWS or not keys_first_exact():
-            return np.matmul(q, k.transpose(0, 2, 1))
-        # C order: the softmax's sums then run along contiguous rows, as they did before
-        return np.ascontiguousarray(np.matmul(k, q.transpose(0, 2, 1)).transpose(0, 2, 1))
+        return attention_scores(q, k)
+
+    def attention_span(self, used: int, capacity: int, rows: int) -> int:
+        """The cache slots whose probabilities and values an attention over ``used``
+        positions reads (:func:`~qllama.backends.base.attention_span`): for a decode step's
+        few ``rows`` as few as numpy's pairwise sums allow
+        (:func:`~qllama.backends.numpy.pairwise.zero_tail_span`), where this BLAS gives the
+        same bits over them (:func:`spans_exact`); else all ``capacity``."""
+        if rows > KEYS_FIRST_ROWS or not spans_exact():
+            return capacity
+        return zero_tail_span(used, capacity)
 
     def glue(self, op: str) -> Callable[..., Any] | None:
         """This backend's form of the model's glue op ``op`` (:func:`~qllama.backends.base.glue`):
@@ -586,8 +632,9 @@ class NumpyBackend(ArrayBackend):
         itself, or one ``matmul`` per selected expert. The same numbers every way: under the
         CPU arithmetic a row's product does not depend on the other rows of its call."""
         n = len(tensors)
-        experts = [e for t in tensors for e in t]  # tensor by tensor
-        slabs = self._slabs(experts) if self.kernels == "numba" and self._q8 else None
+        if self.kernels != "numba" or not self._q8:
+            return self._apart(x, tensors, selected)
+        experts, slabs = self._slabs(tensors)  # the experts tensor by tensor
         if slabs is None:
             return self._apart(x, tensors, selected)
         g = self._grouped(selected, len(tensors[0]))
@@ -684,15 +731,18 @@ class NumpyBackend(ArrayBackend):
         self._grouping = (key, grouping)
         return grouping
 
-    def _slabs(self, experts: Sequence[Any]) -> Slabs | None:
-        """What one compiled ``mul_mat_id`` needs for ``experts`` (remembered by the first of
-        them), or None where one call cannot take them."""
-        if not isinstance(experts[0], Packed):
-            return None
-        known, key = experts[0].slabs, tuple(map(id, experts[1:]))
-        if key not in known:
-            known[key] = Slabs.of(experts)
-        return known[key]
+    def _slabs(self, tensors: Sequence[Sequence[Any]]) -> tuple[list[Any], Slabs | None]:
+        """The experts of ``tensors``, tensor by tensor, and what one compiled ``mul_mat_id``
+        needs for them (None where one call cannot take them): remembered by the first
+        expert, for the same tensors (a layer's are, at every step)."""
+        first = tensors[0][0]
+        if not isinstance(first, Packed):
+            return [e for t in tensors for e in t], None
+        known = first.slabs.get(key := tuple(map(id, tensors)))
+        if known is None or any(a is not b for a, b in zip(known[0], tensors, strict=True)):
+            experts = [e for t in tensors for e in t]
+            known = first.slabs[key] = (tuple(tensors), experts, Slabs.of(experts))
+        return known[1], known[2]
 
     def _streams(self, ws: Sequence[Any]) -> Streams | None:
         """What one streaming call needs for ``ws`` (remembered by the first of them), or
@@ -716,8 +766,11 @@ class NumpyBackend(ArrayBackend):
             return self._loops(x, ws)
         flat = np.empty(tokens * s.total_rows, F32)
         simd = self.activation_rounding == "simd"
-        stream(s.buffer, s.offsets, s.rows, x, simd, threads, flat, tokens * s.starts)
+        outs_at = s.starts if tokens == 1 else tokens * s.starts  # a decode step's, as they are
+        stream(s.buffer, s.offsets, s.rows, x, simd, threads, flat, outs_at)
         self._limit_blas_once()
+        if len(s.spans) == 1:
+            return (flat.reshape(tokens, s.total_rows),)
         return tuple(
             flat[tokens * a : tokens * (a + r)].reshape(tokens, r) for a, r in s.spans
         )  # (tokens, rows_i) each
