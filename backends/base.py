@@ -94,15 +94,6 @@ def attention_bytes(backend: Backend) -> int:
     return int(getattr(backend, "attention_bytes", ATTENTION_BYTES))
 
 
-def attention_span(backend: Backend, used: int, capacity: int, rows: int) -> int:
-    """How many leading slots of a KV cache of ``capacity`` slots an attention's softmax and
-    values read when the first ``used`` hold positions, for ``rows`` query rows a KV head:
-    the backend's ``attention_span(used, capacity, rows)`` where it has one (fewer slots, the
-    same numbers: the others would only add zeros), else all."""
-    own = getattr(backend, "attention_span", None)
-    return capacity if own is None else int(own(used, capacity, rows))
-
-
 def attention_scores(backend: Backend, q: Any, k: Any) -> Any:
     """Queries ``(n_kv, m, hd)`` times the cached keys ``(n_kv, S, hd)`` of their KV head:
     ``(n_kv, m, S)``, one product per head. The backend's ``attention_scores(q, k)`` where it

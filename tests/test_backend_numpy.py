@@ -19,7 +19,6 @@ from qllama.backends import get_backend
 from qllama.backends.base import QuantTensor
 from qllama.backends.numpy import dispatch
 from qllama.backends.numpy.dispatch import NumpyBackend
-from qllama.backends.numpy.pairwise import zero_tail_span
 from qllama.errors import BackendError, TensorShapeError, UnsupportedTensorTypeError
 from qllama.ggml_types import GGMLType
 
@@ -275,23 +274,6 @@ def test_attention_scores_are_q_times_k_transposed_bit_for_bit(n_kv, rows, head,
     want = np.matmul(q, k.transpose(0, 2, 1))
     assert got.flags.c_contiguous and got.shape == (n_kv, rows, keys)
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
-
-
-@settings(max_examples=200, deadline=None)
-@given(
-    n=st.integers(1, 160).map(lambda m: 8 * m),
-    used=st.integers(1, 1280),
-    seed=st.integers(0, 2**32 - 1),
-)
-def test_a_zero_tail_span_has_the_whole_runs_numpy_sum(n, used, seed):
-    """numpy's float32 sum of a run of non-negative numbers whose tail from ``used`` on is
-    zeros: over ``zero_tail_span(used, n)`` leading numbers, the bits of the whole run's."""
-    used = min(used, n)
-    row = np.random.default_rng(seed).random(n).astype(F32)
-    row[used:] = 0
-    span = zero_tail_span(used, n)
-    assert used <= span <= n
-    np.testing.assert_array_equal(np.sum(row[:span]).view(np.uint32), np.sum(row).view(np.uint32))
 
 
 @pytest.mark.parametrize("exact", [True, False])

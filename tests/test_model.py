@@ -10,7 +10,6 @@ from bounds import agreeing_steps, forward_bound, half_bound, q8_flip_bound
 
 import qllama
 from qllama.array_api import to_numpy
-from qllama.backends.numpy.pairwise import zero_tail_span
 from qllama.errors import BackendError, ContextOverflowError, InvalidTokenError, SequenceError
 from qllama.synthetic import TinyConfig, write_tiny_llama
 
@@ -117,44 +116,6 @@ def test_same_chunks_give_the_same_bits(tiny, setup):
     again = [to_numpy(m.forward(IDS[:5], pos=0, all_logits=True)), to_numpy(m.forward(IDS[5:], 5))]
     for a, b in zip(first, again, strict=True):
         np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
-
-
-@pytest.mark.parametrize(("setup", "kv"), [("numpy-cpu", "f32"), ("numpy-f32", "f16")])
-def test_a_decode_step_reads_a_span_of_the_cache_with_the_same_bits(
-    setup, kv, tmp_path, monkeypatch
-):
-    """A decode step's softmax and values read the cache only up to its position, as far as
-    numpy's pairwise sums allow (``zero_tail_span``; the glue's attention, and the array-API
-    one under an f16 cache): the bits of reading every slot, at positions on either side of
-    the sums' splits, in caches of 256, 512 and 768 slots."""
-    from qllama.backends.numpy import dispatch
-
-    path = tmp_path / "tiny.gguf"
-    write_tiny_llama(path, TinyConfig(n_ctx=768, weight_type="Q8_0"))
-    m = load(path, setup, kv_precision=kv)
-    spans = []
-    span = dispatch.NumpyBackend.attention_span
-    monkeypatch.setattr(
-        dispatch.NumpyBackend,
-        "attention_span",
-        lambda self, *a: spans.append(span(self, *a)) or spans[-1],
-    )
-    ids = np.random.default_rng(0).integers(0, m.config.n_vocab, 700).tolist()
-
-    def step(p):
-        m.forward(ids[:p], pos=0)
-        return to_numpy(m.forward(ids[p : p + 1], pos=p)).view(np.uint32)
-
-    for p in (5, 31, 32, 100, 127, 128, 255, 256, 300, 511, 600):
-        spans.clear()
-        got = step(p)
-        read = spans[-1]
-        with monkeypatch.context() as full:
-            full.setattr(dispatch.NumpyBackend, "attention_span", lambda self, u, c, r: c)
-            want = step(p)
-        np.testing.assert_array_equal(got, want, err_msg=f"position {p}")
-        if dispatch.spans_exact():
-            assert read == zero_tail_span(p + 1, m.cache.capacity) <= m.cache.capacity
 
 
 def test_every_namespace_computes_the_same_model(tiny):

@@ -54,7 +54,6 @@ from qllama.backends.base import (
 from qllama.backends.numpy import router
 from qllama.backends.numpy.heap import keep_large_buffers
 from qllama.backends.numpy.oracle import Activations, WeightBlocks, vec_dot
-from qllama.backends.numpy.pairwise import zero_tail_span
 from qllama.errors import BackendError, TensorShapeError
 from qllama.ggml_types import GGMLType
 from qllama.quants.base import Fields, QuantType, Rounding
@@ -313,44 +312,6 @@ def keys_first_exact() -> bool:
     return True
 
 
-def attention_scores(q: np.ndarray, k: np.ndarray) -> np.ndarray:
-    """``q @ k^T`` per KV head, for at most :data:`KEYS_FIRST_ROWS` query rows as ``(k @
-    q^T)^T`` where those are the same bits."""
-    if q.shape[1] > KEYS_FIRST_ROWS or not keys_first_exact():
-        return np.matmul(q, k.transpose(0, 2, 1))
-    # C order: the softmax's sums then run along contiguous rows, as they did before
-    return np.ascontiguousarray(np.matmul(k, q.transpose(0, 2, 1)).transpose(0, 2, 1))
-
-
-@functools.cache
-def spans_exact() -> bool:
-    """Whether the probabilities and values of the first slots of a cache
-    (:func:`zero_tail_span`) give this process's bits of all of them, where the slots past
-    the span have zero probabilities: each row's numpy sum over the span is its sum over the
-    whole row, and the span's probabilities times its values are all of them times all the
-    values, for at most :data:`KEYS_FIRST_ROWS` query rows a KV head (a decode step's).
-    Checked once, on sample shapes (OpenBLAS's AVX-512 kernels: all equal). Not so for more
-    rows, whose product OpenBLAS cuts where the number of slots says; nor for the scores of
-    the span's keys alone, which it rounds otherwise for another number of keys (the
-    attention computes the scores of all the keys)."""
-    rng = np.random.default_rng(0)
-    rows_ = range(1, KEYS_FIRST_ROWS + 1)
-    for rows, hd, capacity in itertools.product(rows_, (16, 64, 128), (256, 768, 1024)):
-        v = rng.standard_normal((2, capacity, hd)).astype(F32)
-        for used in (1, 40, 100, 129, 200, 300, 600):
-            span = zero_tail_span(used, capacity)
-            if span >= capacity:
-                continue
-            p = rng.random((2, rows, capacity)).astype(F32)
-            p[..., used:] = 0
-            if not (
-                np.array_equal(np.sum(p[..., :span], axis=-1), np.sum(p, axis=-1))
-                and np.array_equal(np.matmul(p[..., :span], v[:, :span, :]), np.matmul(p, v))
-            ):
-                return False
-    return True
-
-
 class NumpyBackend(ArrayBackend):
     """The CPU arithmetic (``activations="q8"``), or the GPU one on numpy (``"f32"``)."""
 
@@ -485,17 +446,10 @@ class NumpyBackend(ArrayBackend):
         """``q @ k^T`` per KV head (:func:`~qllama.backends.base.attention_scores`), for a
         decode step's few query rows as ``(k @ q^T)^T`` where those are the same bits
         (:data:`KEYS_FIRST_ROWS`)."""
-        return attention_scores(q, k)
-
-    def attention_span(self, used: int, capacity: int, rows: int) -> int:
-        """The cache slots whose probabilities and values an attention over ``used``
-        positions reads (:func:`~qllama.backends.base.attention_span`): for a decode step's
-        few ``rows`` as few as numpy's pairwise sums allow
-        (:func:`~qllama.backends.numpy.pairwise.zero_tail_span`), where this BLAS gives the
-        same bits over them (:func:`spans_exact`); else all ``capacity``."""
-        if rows > KEYS_FIRST_ROWS or not spans_exact():
-            return capacity
-        return zero_tail_span(used, capacity)
+        if q.shape[1] > KEYS_FIRST_ROWS or not keys_first_exact():
+            return np.matmul(q, k.transpose(0, 2, 1))
+        # C order: the softmax's sums then run along contiguous rows, as they did before
+        return np.ascontiguousarray(np.matmul(k, q.transpose(0, 2, 1)).transpose(0, 2, 1))
 
     def glue(self, op: str) -> Callable[..., Any] | None:
         """This backend's form of the model's glue op ``op`` (:func:`~qllama.backends.base.glue`):

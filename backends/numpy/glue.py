@@ -100,16 +100,16 @@ def masked_softmax(scores: np.ndarray, scale: float, mask: np.ndarray) -> np.nda
 def attention(
     backend: Any, q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray, scale: float
 ) -> np.ndarray:
-    """Queries (t, n_head, hd) over keys (n_kv, S, hd) and the first S' slots' values (n_kv,
-    S', hd_v) under ``mask`` (t, S'): the model's products on the same arrays
-    (``backend.attention_scores``, then ``matmul``), with the compiled softmax between them
-    and ndarray methods for the reshapes; (t, n_head * hd_v)."""
+    """Queries (t, n_head, hd) over keys (n_kv, S, hd) and values (n_kv, S, hd_v) under
+    ``mask`` (t, S): the model's products on the same arrays (``backend.attention_scores``, then
+    ``matmul``), with the compiled softmax between them and ndarray methods for the reshapes;
+    (t, n_head * hd_v)."""
     t, n_head, hd = q.shape
     n_kv, S, hd_v = v.shape
     n_rep = n_head // n_kv
     # query head h reads kv head h // n_rep: one product per kv head over its query heads
     q = q.reshape(t, n_kv, n_rep, hd).transpose(1, 2, 0, 3).reshape(n_kv, n_rep * t, hd)
-    scores = backend.attention_scores(q, k)[..., :S]  # (n_kv, n_rep*t, S)
+    scores = backend.attention_scores(q, k)  # (n_kv, n_rep*t, S)
     p = masked_softmax(scores.reshape(n_kv * n_rep, t, S), scale, mask)  # (n_kv*n_rep, t, S)
     out = np.matmul(p.reshape(n_kv, n_rep * t, S), v)  # (n_kv, n_rep*t, hd_v)
     out = out.reshape(n_kv, n_rep, t, hd_v).transpose(2, 0, 1, 3)  # (t, n_kv, n_rep, hd_v)

@@ -28,7 +28,6 @@ import functools
 import operator
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from numbers import Integral
 from typing import Any
 
 from qllama.array_api import Array, Namespace, Weight, to_numpy
@@ -36,7 +35,6 @@ from qllama.backends.base import (
     Backend,
     attention_bytes,
     attention_scores,
-    attention_span,
     expert_matmuls,
     glue,
     matmuls,
@@ -772,11 +770,6 @@ class Model:
         # on a CPU, and bounded for a long prompt (a row's numbers are its own, but BLAS may
         # choose another kernel, and round otherwise, for another block's shape)
         rows = max(1, self.attention_bytes // (4 * c.n_head * k.shape[1]))
-        if not cache.typed and isinstance(segment.pos, Integral):  # not a compiled step's array
-            # the probabilities and values of the slots up to the last position, as far as
-            # the backend's sums allow (the scores of all: BLAS rounds by the product's shape)
-            span = attention_span(self.backend, segment.pos + T, k.shape[1], c.n_rep * T)
-            v, mask = v[:, :span, :], mask[:, :span]  # (n_kv, span, hd_v), (T, span)
         blocks = [(a, min(a + rows, T)) for a in range(0, T, rows)]
         if cache.typed:  # llama.cpp's typed caches and flash attention kernels (numpy)
             read = functools.partial(
@@ -799,10 +792,9 @@ class Model:
     def _attend_rows(
         self, q: Array, k: Array, v: Array, mask: Array, cache: KVCache, sinks: Array = None
     ) -> Array:
-        """Queries (t, n_head, hd) over keys (n_kv, S, hd) and the first S' <= S slots'
-        values (n_kv, S', hd_v) under ``mask`` (t, S'), with a sink logit per head (n_head,)
-        where the model has them; (t, n_head*hd_v). The slots past S' are hidden: their
-        scores are computed and dropped."""
+        """Queries (t, n_head, hd) over keys (n_kv, S, hd) and values (n_kv, S, hd_v) under
+        ``mask`` (t, S), with a sink logit per head (n_head,) where the model has them;
+        (t, n_head*hd_v)."""
         c = self.config
         if sinks is None and not c.attn_softcap and cache.float_operands:
             return self.attention(q, k, v, mask, c.query_scale)  # the backend's, if it has one
@@ -822,13 +814,13 @@ class Model:
         precision says so; None: float32 operands)."""
         xp, c = self.xp, self.config
         operand = (lambda a: a) if cache is None else cache.operand
-        t, hd, n_kv, n_rep, S = q.shape[0], c.head_dim, c.n_head_kv, c.n_rep, v.shape[1]
+        t, hd, n_kv, n_rep, S = q.shape[0], c.head_dim, c.n_head_kv, c.n_rep, k.shape[1]
         # query head h reads kv head h // n_rep: one product per kv head over its query heads
         q = xp.reshape(
             xp.permute_dims(xp.reshape(operand(q), (t, n_kv, n_rep, hd)), (1, 2, 0, 3)),
             (n_kv, n_rep * t, hd),
         )  # (n_kv, n_rep*t, hd)
-        scores = attention_scores(self.backend, q, k)[..., :S]  # (n_kv, n_rep*t, S)
+        scores = attention_scores(self.backend, q, k)  # (n_kv, n_rep*t, S)
         scores = xp.reshape(scores, (n_kv, n_rep, t, S))  # (n_kv, n_rep, t, S)
         if sinks is None and not c.attn_softcap:
             p = self.masked_softmax(scores, scale, mask)  # (n_kv, n_rep, t, S)

@@ -28,10 +28,10 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from qllama.backends.numpy.kernels.flash import fma32
-from qllama.backends.numpy.pairwise import PAIRWISE_BLOCK
 from qllama.jit import INLINE, JIT
 
 F32 = np.float32
+PAIRWISE_BLOCK = 128  # numpy's PW_BLOCKSIZE
 
 # numpy's constants for its float32 exp (npy_simd_data.h, npy_math.h), rounded to float32
 EXP_MAX = F32(88.72283935546875)
