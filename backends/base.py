@@ -127,6 +127,7 @@ GLUE_OPS = (
     "attention",
     "soft_max",
     "sum_rows",
+    "route",
 )
 
 

@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_architectures import FAMILIES, IDS
 
 import qllama
@@ -29,7 +31,9 @@ from qllama.array_api import to_numpy
 from qllama.backends.base import glue, router_softmax, row_sum
 from qllama.backends.numpy import router
 from qllama.errors import BackendError
-from qllama.runtime.model import select_experts
+from qllama.runtime.architectures import Gating
+from qllama.runtime.model import MIN_WEIGHT_SUM, expert_weights, router_gate, select_experts
+from qllama.runtime.routing import THRESHOLD
 from qllama.synthetic import write_tiny
 
 GGML = r"""
@@ -351,6 +355,64 @@ def test_the_compiled_soft_max_is_the_numpy_codes(simd: bool, width: int) -> Non
         with np.errstate(invalid="ignore"):
             want = router.soft_max(x, simd=simd, width=width)
         np.testing.assert_array_equal(compiled(x, simd=simd, width=width), want)
+
+
+# logits drawn with ties likely, and now and then NaN or infinite
+LOGITS = st.one_of(
+    st.sampled_from([0.5, -1.0, 2.0, 0.0, -0.0]),
+    st.floats(-30, 30, width=32),
+    st.sampled_from([np.nan, np.inf, -np.inf]),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(n=st.integers(1, 40), T=st.integers(1, 4), data=st.data())
+def test_the_compiled_route_is_the_models_steps(n: int, T: int, data: st.DataObject) -> None:
+    """The glue op "route" (a router's softmax, top k and weights in one compiled call) gives
+    the bits of the model's steps with the compiled soft_max and sum_rows, for either gating,
+    with and without the weights' norm, with any scale; where a row holds a NaN, or past 16
+    experts its top k + 1 meet a tie, it declines (None) and the steps rank it."""
+    pytest.importorskip("numba")
+    from qllama.backends.numpy import glue as numpy_glue
+
+    k = data.draw(st.integers(1, n))
+    simd, width = data.draw(st.booleans()), data.draw(st.sampled_from([8, 16]))
+    gating = data.draw(st.sampled_from([Gating.SOFTMAX, Gating.SOFTMAX_WEIGHT]))
+    norm, scale = data.draw(st.booleans()), data.draw(st.sampled_from([0.0, 1.0, 2.5, 0.1]))
+    x = np.array(data.draw(st.lists(LOGITS, min_size=T * n, max_size=T * n)), np.float32)
+    x = x.reshape(T, n)
+    soft_max = functools.partial(numpy_glue.router_soft_max, simd=simd, width=width)
+    got = numpy_glue.router_route(
+        x,
+        k,
+        gating == Gating.SOFTMAX,
+        norm,
+        scale,
+        MIN_WEIGHT_SUM,
+        THRESHOLD,
+        simd=simd,
+        width=width,
+    )
+    with np.errstate(invalid="ignore", over="ignore"):
+        probs = router_gate(x, gating, xp=np, softmax=soft_max)
+        ranked = -np.sort(-probs, axis=-1)[:, : k + 1]  # (T, k+1) the largest first
+        if np.isnan(probs).any() or (n > THRESHOLD and (ranked[:, 1:] == ranked[:, :-1]).any()):
+            assert got is None
+            return
+        selected = select_experts(probs, k, xp=np, asarray=np.asarray)
+        weights = expert_weights(
+            probs,
+            selected,
+            gating,
+            norm,
+            scale,
+            xp=np,
+            softmax=soft_max,
+            sum_rows=numpy_glue.router_sum_rows,
+        )
+    assert got is not None
+    np.testing.assert_array_equal(got[0], selected)
+    np.testing.assert_array_equal(got[1].view(np.int32), weights.view(np.int32))
 
 
 def weight_rows(k: int, seed: int) -> np.ndarray:

@@ -63,7 +63,7 @@ F32 = np.float32
 ACTIVATIONS = ("q8", "f32")
 ROUNDINGS = ("ref", "simd")
 KERNELS = ("numba", "numpy")
-ROUTER_OPS = ("soft_max", "sum_rows")  # glue ops of ggml's CPU arithmetic, not of numpy's
+ROUTER_OPS = ("soft_max", "sum_rows", "route")  # glue ops of ggml's CPU arithmetic, not numpy's
 FLOAT_DOT_TYPES = ("F32", "F16", "BF16")  # vec_dot types of the float weight formats
 
 # ggml has no CPU vec_dot for weights stored in its activation formats
@@ -265,11 +265,20 @@ class Grouping:
 
     @classmethod
     def of(cls, selected: np.ndarray, n_expert: int) -> Grouping:
-        order, bounds = group_pairs(selected, n_expert)
-        counts = np.diff(bounds)
-        by_token = order // selected.shape[1]
-        chosen = np.flatnonzero(counts).tolist()
-        return cls(order, bounds, by_token, counts, int(counts.max(initial=0)), chosen)
+        """The grouping of ``selected`` (T, k) in one compiled call (the kernels' counting
+        sort: :func:`~qllama.backends.base.group_pairs`'s order); an id outside
+        ``[0, n_expert)`` is refused as there."""
+        from qllama.backends.numpy.kernels import experts as kernels
+
+        flat = selected.reshape(-1)  # (T*k,)
+        order, by_token = np.empty(flat.size, np.int64), np.empty(flat.size, np.int64)
+        bounds, counts = np.empty(n_expert + 1, np.int64), np.empty(n_expert, np.int64)
+        most = kernels.group_pairs(
+            flat, n_expert, order, bounds, by_token, counts, selected.shape[1]
+        )
+        if most < 0:
+            group_pairs(selected, n_expert)  # raises, naming the ids
+        return cls(order, bounds, by_token, counts, int(most), np.flatnonzero(counts).tolist())
 
 
 def _one_buffer(ws: Sequence[Packed]) -> tuple[np.ndarray, np.ndarray] | None:
@@ -471,19 +480,25 @@ class NumpyBackend(ArrayBackend):
     def _router_ops(self) -> dict[str, Callable[..., Any]]:
         """ggml's CPU ``soft_max`` (its scalar loop under ``activation_rounding="ref"``, the
         ``simd_width`` build's blocks under ``"simd"``) and ``sum_rows``, in the CPU
-        arithmetic; none in the others (the model's array-API forms)."""
+        arithmetic, and with the compiled kernels ``route``, a layer's routing in one call;
+        none in the others (the model's array-API forms)."""
         if not self._q8:
             return {}
         simd = self.activation_rounding == "simd"
         soft_max: Callable[..., np.ndarray] = router.soft_max
         sum_rows: Callable[[np.ndarray], np.ndarray] = router.sum_rows
+        compiled: dict[str, Callable[..., Any]] = {}
         if self.kernels == "numba":  # the same bits in one compiled call each
             from qllama.backends.numpy import glue
 
             soft_max, sum_rows = glue.router_soft_max, glue.router_sum_rows
+            compiled["route"] = functools.partial(
+                glue.router_route, simd=simd, width=self.simd_width
+            )
         return {
             "soft_max": functools.partial(soft_max, simd=simd, width=self.simd_width),
             "sum_rows": sum_rows,
+            **compiled,
         }
 
     def embedding(self, ids: Any, w: Packed | Dense) -> Any:  # type: ignore[override]

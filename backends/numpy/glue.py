@@ -134,6 +134,33 @@ def router_sum_rows(x: np.ndarray) -> np.ndarray:
     return out
 
 
+def router_route(
+    x: np.ndarray,
+    k: int,
+    select_on_softmax: bool,
+    norm: bool,
+    scale: float,
+    min_sum: float,
+    ranked_past: int,
+    *,
+    simd: bool,
+    width: int,
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """A router's whole routing of float32 logits ``x`` (T, n) in one compiled call
+    (:func:`qllama.backends.numpy.kernels.router.route`, whose docstring has the arguments):
+    each token's k experts (T, k) int64, the best first, and their weights (T, k) float32,
+    the bits of the model's steps with :func:`router_soft_max` and :func:`router_sum_rows`;
+    None where a row holds a NaN or, past ``ranked_past`` experts, its top k meets a tie (the
+    model's steps then rank it as ggml's sort does)."""
+    x = np.ascontiguousarray(x, F32)
+    selected = np.empty((x.shape[0], k), np.int64)
+    weights = np.empty((x.shape[0], k), F32)
+    done = router_kernels.route(
+        x, k, select_on_softmax, norm, scale, min_sum, ranked_past, simd, width, selected, weights
+    )
+    return (selected, weights) if done else None
+
+
 # the ops that need the backend itself (its attention_scores) take it first
 OPS: dict[str, Callable[..., Any]] = {
     "rms_norm": rms_norm,

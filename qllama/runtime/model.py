@@ -419,6 +419,7 @@ class Model:
         # a router's softmax and weight sum: under the CPU arithmetic ggml's exps and double sums
         self.gate_softmax = glue(backend, "soft_max") or functools.partial(router_softmax, xp=xp)
         self.gate_sum = glue(backend, "sum_rows") or functools.partial(row_sum, xp=xp)
+        self.route = glue(backend, "route")  # the steps above in one call, or None
 
     def _compile(self, backend: Backend) -> Callable[[Array, Array], Array] | None:
         """The backend's compiled form of :meth:`step` (its class's ``compile_step(step,
@@ -896,22 +897,7 @@ class Model:
         logits = self._linear(x, layer.ffn_gate_inp, layer.ffn_gate_inp_bias)  # (T, n_expert)
         if observer is not None:
             observer(f"blk.{i}.router", logits)
-        probs = router_gate(logits, e.gating, xp=xp, softmax=self.gate_softmax)
-        selected = select_experts(probs, k, xp=xp, asarray=self.backend.asarray)  # (T, k)
-        if observer is not None:  # an observer may route otherwise (a counterfactual)
-            forced = observer(f"blk.{i}.experts", selected)
-            if forced is not None:
-                selected = self._forced_selection(forced, selected.shape, i)
-        weights = expert_weights(
-            probs,
-            selected,
-            e.gating,
-            c.expert_weights_norm,
-            c.expert_weights_scale,
-            xp=xp,
-            softmax=self.gate_softmax,
-            sum_rows=self.gate_sum,
-        )  # (T, k)
+        selected, weights = self._route(logits, i, observer)  # (T, k) each
         flat = xp.reshape(selected, (-1,))  # (T*k,) for the experts' biases
         if layer.ffn_gate_exps is None:  # no gate: the activation of up alone
             (up,) = self._experts(x, selected, flat, (layer.ffn_up_exps, layer.ffn_up_exps_bias))
@@ -938,6 +924,45 @@ class Model:
         if layer.ffn_up_shexp is not None:  # after the routed experts, as llama.cpp adds it
             out = out + self._shared_expert(x, layer, e)
         return out
+
+    def _route(self, logits: Array, i: int, observer: Observer | None) -> tuple[Array, Array]:
+        """Block ``i``'s routing of its router logits (T, n_expert): each token's k experts
+        (T, k), the best first, and their weights (T, k). The backend's one call where it has
+        one (``route``, the same numbers) and no observer looks between the steps; else step
+        by step: the gated values, the top k (an observer may replace it), the weights."""
+        xp, c = self.xp, self.config
+        e = self.features.experts
+        assert e is not None  # a router is declared only with experts
+        k = c.n_expert_used
+        if self.route is not None and observer is None:
+            routed = self.route(
+                logits,
+                k,
+                e.gating == Gating.SOFTMAX,
+                c.expert_weights_norm,
+                c.expert_weights_scale,
+                MIN_WEIGHT_SUM,
+                routing.THRESHOLD,
+            )
+            if routed is not None:  # None: a NaN, or a tie the steps below rank
+                return routed
+        probs = router_gate(logits, e.gating, xp=xp, softmax=self.gate_softmax)
+        selected = select_experts(probs, k, xp=xp, asarray=self.backend.asarray)  # (T, k)
+        if observer is not None:  # an observer may route otherwise (a counterfactual)
+            forced = observer(f"blk.{i}.experts", selected)
+            if forced is not None:
+                selected = self._forced_selection(forced, selected.shape, i)
+        weights = expert_weights(
+            probs,
+            selected,
+            e.gating,
+            c.expert_weights_norm,
+            c.expert_weights_scale,
+            xp=xp,
+            softmax=self.gate_softmax,
+            sum_rows=self.gate_sum,
+        )  # (T, k)
+        return selected, weights
 
     def _forced_selection(self, forced: Any, shape: tuple[int, ...], i: int) -> Array:
         """An observer's replacement for block ``i``'s selection, checked: (T, k) experts of

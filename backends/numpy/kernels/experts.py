@@ -51,7 +51,34 @@ from qllama.backends.numpy.kernels.simd import (
     Q5_1,
     Q8_0,
 )
-from qllama.jit import INLINE, named_kernel
+from qllama.jit import INLINE, JIT, named_kernel
+
+
+@njit(**JIT)
+def group_pairs(flat, n_expert, order, bounds, by_token, counts, k):
+    """:func:`qllama.backends.base.group_pairs` of the flat expert ids ``flat`` (T*k,) of a
+    selection (T, k), compiled: a counting sort, stable as ggml buckets the pairs. Writes
+    ``order`` (T*k,), ``bounds`` (n_expert + 1,), each grouped pair's token ``by_token`` (T*k,)
+    and the pairs an expert ``counts`` (n_expert,); returns the most pairs one expert has, or
+    -1 (nothing written to trust) where an id lies outside ``[0, n_expert)``."""
+    counts[:] = 0
+    for j in range(flat.shape[0]):
+        e = flat[j]
+        if e < 0 or e >= n_expert:
+            return -1
+        counts[e] += 1
+    bounds[0] = 0
+    most = 0
+    for e in range(n_expert):
+        bounds[e + 1] = bounds[e] + counts[e]
+        most = max(most, counts[e])
+    fill = bounds[:-1].copy()
+    for j in range(flat.shape[0]):
+        e = flat[j]
+        order[fill[e]] = j
+        by_token[fill[e]] = j // k
+        fill[e] += 1
+    return most
 
 
 @njit(**INLINE)

@@ -1,7 +1,8 @@
 """Compiled (numba) form of the router's ops of ggml's CPU arithmetic: ``soft_max`` and
 ``sum_rows`` as :mod:`qllama.backends.numpy.router` states them in numpy, the same bits in one
 call a layer instead of some forty numpy dispatches (a MoE decode step's router cost more
-than its experts' products).
+than its experts' products); and :func:`route`, a layer's whole routing (the softmax, the top
+k, the weights) in one call.
 
 Per lane, ``ggml_v_expf`` of the AVX2 build (2^n built into the exponent bits, a scale split
 in two past |n| > 126) or of the AVX-512 one (``scalef``: libm's ``ldexpf``, one rounding); the
@@ -121,3 +122,72 @@ def sum_rows(x: np.ndarray, out: np.ndarray) -> None:
         for i in range(x.shape[1]):
             total += np.float64(x[t, i])
         out[t, 0] = F32(total)
+
+
+@njit(**JIT)
+def route(
+    x: np.ndarray,
+    k: int,
+    select_on_softmax: bool,
+    norm: bool,
+    scale: float,
+    min_sum: float,
+    ranked_past: int,
+    simd: bool,
+    width: int,
+    selected: np.ndarray,
+    weights: np.ndarray,
+) -> bool:
+    """build_moe_ffn's routing of float32 router logits ``x`` (T, n), the model's steps in one
+    call (``qllama.runtime.model``: ``router_gate``, ``select_experts``, ``expert_weights``):
+    each row's k experts into ``selected`` (T, k), the largest gated value first, equal values
+    by ascending index (the gated values: :func:`soft_max` of the row where
+    ``select_on_softmax``, else the logits), and their weights into ``weights`` (T, k): the
+    gated values of the selected (else a :func:`soft_max` over the k selected logits),
+    divided by their sum (:func:`sum_rows`'s, at least ``min_sum``) where ``norm``, times
+    ``scale`` unless it is 0 or 1. Returns False, its outputs unfinished, where a row holds
+    a NaN or, past ``ranked_past`` experts, its first k + 1 ranked values meet a tie (there
+    ggml's sort orders equal values its own way: the model ranks that row itself)."""
+    T, n = x.shape
+    gated = np.empty_like(x)
+    if select_on_softmax:
+        soft_max(x, simd, width, gated)
+    else:
+        gated[:] = x
+    taken = np.zeros(n, np.bool_)
+    for t in range(T):
+        row = gated[t]
+        for i in range(n):
+            if row[i] != row[i]:
+                return False
+            taken[i] = False
+        last = -1
+        for s in range(min(k + 1, n)):  # the (k+1)th only to see whether it ties the kth
+            best = -1
+            for i in range(n):
+                if not taken[i] and (best < 0 or row[i] > row[best]):
+                    best = i
+            if n > ranked_past and last >= 0 and row[best] == row[last]:
+                return False
+            taken[best] = True
+            last = best
+            if s < k:
+                selected[t, s] = best
+                weights[t, s] = row[best]
+    if not select_on_softmax:
+        soft_max(weights.copy(), simd, width, weights)
+    if norm:
+        sums = np.empty((T, 1), F32)
+        sum_rows(weights, sums)
+        for t in range(T):
+            total = sums[t, 0]
+            if total < min_sum:
+                total = F32(min_sum)
+            for s in range(k):
+                weights[t, s] = F32(weights[t, s] / total)
+    if scale != 0.0 and scale != 1.0:
+        factor = F32(scale)
+        for t in range(T):
+            for s in range(k):
+                weights[t, s] = F32(weights[t, s] * factor)
+    return True
