@@ -117,7 +117,11 @@ def attention_scores(backend: Backend, q: Any, k: Any) -> Any:
 # the backend's arithmetic (the CPU one: ggml's CPU ops bit for bit), else of the array-API form:
 # soft_max(x) over the last axis of x (T, n), no scale, no mask (router_softmax: exp(x - max)
 # times the reciprocal of the sum); sum_rows(x), x (T, k) -> (T, 1) (row_sum: the namespace's
-# float32 sum; ggml's CPU adds in order in double)
+# float32 sum; ggml's CPU adds in order in double); route(logits, k, select_on_softmax, norm,
+# scale, min_sum, ranked_past): the model's routing steps with those two (the top k, the
+# weights: Model._route) in one call, (selected, weights), or None where it declines a row.
+# And slot_sum(y, w): each slot's output y (T, k, n) times its weight w (T, k), the slots added
+# in slot order, (T, n).
 GLUE_OPS = (
     "rms_norm",
     "rope",
@@ -128,6 +132,7 @@ GLUE_OPS = (
     "soft_max",
     "sum_rows",
     "route",
+    "slot_sum",
 )
 
 

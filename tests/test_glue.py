@@ -132,6 +132,18 @@ def test_swiglu(ops, shape):
     same_bits(ops.swiglu(gate, up), want)
 
 
+@pytest.mark.parametrize(("T", "k", "n"), [(1, 4, 1024), (7, 8, 64), (3, 1, 5), (2, 2, 129)])
+def test_slot_sum(ops, T, k, n):
+    """Each slot times its weight, the slots added in order: the model's form, bit for bit
+    (a float32 sum in another order differs on these rows)."""
+    rng = np.random.default_rng(T * k + n)
+    y = (rng.standard_normal((T, k, n)) * 10).astype(F32)
+    w = rng.random((T, k)).astype(F32)
+    same_bits(ops.slot_sum(y, w), forms.slot_sum(y, w, xp=np))
+    if k > 2:
+        assert not np.array_equal(ops.slot_sum(y, w), (y * w[:, :, None])[:, ::-1].sum(axis=1))
+
+
 @needs_simd_exp
 @pytest.mark.parametrize(
     ("t", "S", "pos"), [(1, 256, 40), (1, 256, 255), (37, 256, 0), (5, 512, 300)]

@@ -85,6 +85,15 @@ def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     return out
 
 
+def slot_sum(y: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """Each slot's output ``y`` (T, k, n) times its weight ``w`` (T, k), the slots added in
+    slot order: (T, n)."""
+    y, w = np.ascontiguousarray(y, F32), np.ascontiguousarray(w, F32)
+    out = np.empty((y.shape[0], y.shape[2]), F32)
+    kernels.slot_sum(y, w, out)
+    return out
+
+
 def masked_softmax(scores: np.ndarray, scale: float, mask: np.ndarray) -> np.ndarray:
     """``softmax(scores * scale + mask)`` of scores (..., t, S) under ``mask`` (t, S)."""
     scores = np.ascontiguousarray(scores)
@@ -168,5 +177,6 @@ OPS: dict[str, Callable[..., Any]] = {
     "rope_halves": rope_halves,
     "swiglu": swiglu,
     "masked_softmax": masked_softmax,
+    "slot_sum": slot_sum,
 }
 WITH_BACKEND: dict[str, Callable[..., Any]] = {"attention": attention}

@@ -321,6 +321,16 @@ def expert_weights(
     return w
 
 
+def slot_sum(y: Array, w: Array, *, xp: Namespace) -> Array:
+    """Each slot's output ``y`` (T, k, n) times its weight ``w`` (T, k), the slots added one
+    by one in slot order (the best expert first), as ggml's chain of adds: (T, n)."""
+    y = y * w[:, :, None]  # (T, k, n)
+    out = y[:, 0, :]  # (T, n)
+    for s in range(1, y.shape[1]):
+        out = out + y[:, s, :]
+    return out
+
+
 def softmax_with_sink(x: Array, sink: Array, *, xp: Namespace) -> Array:
     """Softmax over the last axis with one more logit per row, ``sink`` (broadcast against
     ``x[..., :1]``), in the sum only (gpt-oss's attention sinks: not scaled, no value)."""
@@ -420,6 +430,7 @@ class Model:
         self.gate_softmax = glue(backend, "soft_max") or functools.partial(router_softmax, xp=xp)
         self.gate_sum = glue(backend, "sum_rows") or functools.partial(row_sum, xp=xp)
         self.route = glue(backend, "route")  # the steps above in one call, or None
+        self.slot_sum = glue(backend, "slot_sum") or functools.partial(slot_sum, xp=xp)
 
     def _compile(self, backend: Backend) -> Callable[[Array, Array], Array] | None:
         """The backend's compiled form of :meth:`step` (its class's ``compile_step(step,
@@ -890,10 +901,8 @@ class Model:
         """build_moe_ffn (shared/reference/moe_kv_recipes.md 1.2): route, weigh, the k experts'
         SwiGLU products, summed in slot order (the best expert first); then the shared
         expert."""
-        xp, c = self.xp, self.config
-        e = self.features.experts
+        xp, e = self.xp, self.features.experts
         assert e is not None  # a router is declared only with experts
-        k = c.n_expert_used
         logits = self._linear(x, layer.ffn_gate_inp, layer.ffn_gate_inp_bias)  # (T, n_expert)
         if observer is not None:
             observer(f"blk.{i}.router", logits)
@@ -917,10 +926,7 @@ class Model:
         (down,) = self._experts(
             h, selected, flat, (layer.ffn_down_exps, layer.ffn_down_exps_bias)
         )  # (T, k, n_embd)
-        down = down * weights[:, :, None]  # (T, k, n_embd)
-        out = down[:, 0, :]  # (T, n_embd)
-        for s in range(1, k):  # one add per slot, in slot order, as ggml's chain of adds
-            out = out + down[:, s, :]
+        out = self.slot_sum(down, weights)  # (T, n_embd)
         if layer.ffn_up_shexp is not None:  # after the routed experts, as llama.cpp adds it
             out = out + self._shared_expert(x, layer, e)
         return out

@@ -1,4 +1,5 @@
-"""Compiled (numba) forms of the model's glue: RMSNorm, RoPE, SwiGLU and attention's softmax.
+"""Compiled (numba) forms of the model's glue: RMSNorm, RoPE, SwiGLU, attention's softmax and a
+mixture's weighted sum of its slots.
 
 Each gives the bits of the model's array-API form on numpy (qllama.runtime.model and
 qllama.runtime.scores) in one call instead of a handful of numpy dispatches, which is most of
@@ -218,6 +219,20 @@ def swiglu(gate: np.ndarray, up: np.ndarray, out: np.ndarray) -> None:
     for i in range(gate.shape[0]):
         g = gate[i]
         out[i] = g * (ONE / (ONE + np_expf(-g))) * up[i]
+
+
+@njit(**JIT)
+def slot_sum(y: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
+    """``out[t] = y[t, 0] * w[t, 0] + y[t, 1] * w[t, 1] + ...`` for ``y`` (T, k, n) and ``w``
+    (T, k): each product rounded, then added slot after slot, as the model's ``slot_sum``."""
+    T, k, n = y.shape
+    for t in range(T):
+        for j in range(n):
+            out[t, j] = y[t, 0, j] * w[t, 0]
+        for s in range(1, k):
+            ws = w[t, s]
+            for j in range(n):
+                out[t, j] = out[t, j] + y[t, s, j] * ws
 
 
 @njit(**INLINE)
