@@ -270,8 +270,9 @@ def test_the_compiled_mul_mat_id_equals_the_grouped_matmuls(
 def test_up_and_gate_in_one_call_equal_each_alone(kind: str, T: int) -> None:
     """``expert_matmuls``: two expert tensors of one input (up and gate, slabs of one buffer)
     in one compiled call, each token's row quantized once; in a batch the experts many pairs
-    chose go to the token tiles, tensor by tensor, and the others of both tensors still to
-    one call. The bits of ``expert_matmul`` on each, every way."""
+    chose go to the token tiles, both tensors of an expert in one ``matmuls`` call, and the
+    others of both tensors still to one call. The bits of ``expert_matmul`` on each, every
+    way."""
     pytest.importorskip("numba")
     from qllama.backends.base import expert_matmuls
 
@@ -298,11 +299,13 @@ def test_up_and_gate_in_one_call_equal_each_alone(kind: str, T: int) -> None:
     if T == 16:  # expert 0 16 pairs and 2 14 (token tiles), expert 1 two (the compiled call)
         selected = np.stack([np.zeros(T), np.where(np.arange(T) < 2, 1, 2)], 1).astype(np.int32)
     x = rng.standard_normal((T, K)).astype(np.float32)
-    calls = []
-    real = be._mul_mat_id
+    calls, tiled = [], []
+    real, real_tiles = be._mul_mat_id, be.matmuls
     be._mul_mat_id = lambda *a: calls.append(1) or real(*a)  # type: ignore[method-assign]
+    be.matmuls = lambda x, ws: tiled.append(len(ws)) or real_tiles(x, ws)  # type: ignore[method-assign]
     got = expert_matmuls(be, x, [up, gate], selected)
     assert calls == [1]  # at most 3 pairs an expert, or expert 1's two: both tensors at once
+    assert tiled == ([2, 2] if T == 16 else [])  # experts 0 and 2: up and gate together
     for y, experts in zip(got, (up, gate), strict=True):
         np.testing.assert_array_equal(y, expert_matmul(be, x, experts, selected))
     with pytest.raises(TensorShapeError, match="needs activations"):

@@ -595,11 +595,12 @@ class NumpyBackend(ArrayBackend):
         (:mod:`~qllama.backends.numpy.kernels.experts`) for all the tensors (up and gate,
         views of one file's map), which quantizes each row of ``x`` once and reads only the
         selected experts' rows; but an expert that as many pairs chose as the dense products
-        meet in token tiles (``Slabs.tile_rows``: a batch) meets them there, in one ``matmul``
-        a tensor. Else (another mode, a format without that call, tensors one call cannot
-        take, a selected Q8_0 expert the kernels do not compute exactly) each tensor by
-        itself, or one ``matmul`` per selected expert. The same numbers every way: under the
-        CPU arithmetic a row's product does not depend on the other rows of its call."""
+        meet in token tiles (``Slabs.tile_rows``: a batch) meets them there, in one
+        ``matmuls`` call for all the tensors (its rows quantized once). Else (another mode, a
+        format without that call, tensors one call cannot take, a selected Q8_0 expert the
+        kernels do not compute exactly) each tensor by itself, or one ``matmul`` per
+        selected expert. The same numbers every way: under the CPU arithmetic a row's
+        product does not depend on the other rows of its call."""
         n = len(tensors)
         if self.kernels != "numba" or not self._q8:
             return self._apart(x, tensors, selected)
@@ -631,8 +632,9 @@ class NumpyBackend(ArrayBackend):
         xg = x2[src]  # (P, K), grouped
         for e in np.flatnonzero(tiled).tolist():
             a, b = bounds[e], bounds[e + 1]
-            for i, t in enumerate(tensors):
-                grouped[i * P + a : i * P + b] = self.matmul(xg[a:b], t[e])  # (b - a, rows)
+            ys = self.matmuls(xg[a:b], [t[e] for t in tensors])  # its rows quantized once
+            for i, y in enumerate(ys):
+                grouped[i * P + a : i * P + b] = y  # (b - a, rows)
         few = np.repeat(~tiled, counts)  # the other experts' pairs, still grouped
         if few.any():
             fewer = np.concatenate([[0], np.cumsum(np.where(tiled, 0, counts))])
