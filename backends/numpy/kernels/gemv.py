@@ -5,8 +5,10 @@ Each weight row's dot product with one token is one loop in LLVM IR (:func:`lega
 to the last, so that the bytes of a row are read once, in order, and used as they arrive:
 
 * **32-blocks** (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0; IQ4_NL and MXFP4, whose nibbles index a
-  table of levels), 4 rows (Q8_0: 1, :func:`_four_rows`) and 4 blocks a step: the codes as
-  stored (unsigned: Q8_0's ``w ^ 0x80``, i.e. ``w + 128``; the levels plus 128) times the
+  table of levels), 4 rows (Q8_0: 1, :func:`_four_rows`) and 4 blocks a step (the nibble
+  formats where the host has AVX512-VBMI: each row's 4 blocks in one vector, picked from two
+  64-byte loads by ``vpermt2b``, :func:`_rows_sums4`; else each block's 4 rows in one): the
+  codes as stored (unsigned: Q8_0's ``w ^ 0x80``, i.e. ``w + 128``; the levels plus 128) times the
   activations, four products a lane (``vpdpbusd``), the 16 dot products' lanes reduced
   together; minus the centre times the activations' block sum (8, 16 or 128: precomputed
   per token) gives ``integer_form``'s sums; the 16 fp16 scales in one gather (MXFP4: its
@@ -49,6 +51,7 @@ from qllama.backends.numpy.kernels.llvm_ir import (
     I32,
     I64,
     PAIRS,
+    VBMI,
     blocks_loop,
     broadcast,
     byte_ptr,
@@ -166,14 +169,42 @@ GEMV_CENTRE = CENTRE | {Q8_0: Q8_0_CENTRE}
 # where a nibble block's 16 qs bytes start
 QS_AT = {Q4_0: 2, Q4_1: 4, Q5_0: 6, Q5_1: 8, IQ4_NL: 2, MXFP4: 1}
 QH_AT = {Q5_0: 2, Q5_1: 4}  # its 4 bytes of fifth bits
+# One row, four blocks a step (:func:`_row_sums4`), where the host permutes bytes across a
+# 512-bit vector (AVX512-VBMI): the nibble formats' rows one after the other, as Q8_0's
+ROW_BLOCKS4 = (Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4) if AVX512 and VBMI else ()
+ONE_ROW = np.zeros(64, np.bool_)  # by format id: _four_rows takes its rows one at a time
+ONE_ROW[Q8_0] = True
+
+
+def _nibble_codes(
+    builder: ir.IRBuilder, fmt: int, qs: Any, spread: Callable[[int], Any]
+) -> tuple[Any, Any]:
+    """The stored codes of four 16-byte ``qs`` runs of a nibble format side by side (<64 x
+    i8>, a block's a run): its low nibbles (elements 0..15 of each), then its high ones
+    (16..31); IQ4_NL's and MXFP4's levels plus 128; Q5's fifth bits (bit j of ``qh`` for
+    element j) or'ed in, ``spread(half)`` giving for each byte of a half the ``qh`` byte
+    that holds its bit (bit ``n % 8`` of it for byte n)."""
+    lo = builder.and_(qs, splat(I8, 64, 15))
+    hi = builder.and_(builder.lshr(qs, splat(I8, 64, 4)), splat(I8, 64, 15))
+    if fmt in LEVELS:  # the levels the nibbles index, plus 128
+        lo, hi = (_levels64(builder, LEVELS[fmt], codes) for codes in (lo, hi))
+    if fmt in QH_AT:
+        for half in (0, 1):
+            bit = builder.and_(spread(half), consts(I8, [1 << (n % 8) for n in range(64)]))
+            hit = builder.icmp_unsigned("!=", bit, splat(I8, 64, 0))
+            fifth = builder.select(hit, splat(I8, 64, 16), splat(I8, 64, 0))
+            if half:
+                hi = builder.or_(hi, fifth)
+            else:
+                lo = builder.or_(lo, fifth)
+    return lo, hi
 
 
 def nibble_codes4(builder: ir.IRBuilder, fmt: int, rows: list[Any], blk: Any) -> tuple[Any, Any]:
     """The stored codes of block ``blk`` of 4 rows of a nibble format (Q4_0, Q4_1, Q5_0,
-    Q5_1), two <64 x i8>: the rows' elements 0..15 side by side (16 bytes a row), then their
-    elements 16..31. The 4 rows' 16 ``qs`` bytes are loaded into one vector; the low
-    nibbles are elements 0..15, the high ones 16..31; Q5's fifth bits (bit j of ``qh`` for
-    element j) are or'ed in."""
+    Q5_1, IQ4_NL, MXFP4), two <64 x i8>: the rows' elements 0..15 side by side (16 bytes a
+    row), then their elements 16..31 (:func:`_nibble_codes`). The 4 rows' 16 ``qs`` bytes
+    are loaded into one vector, their 4 ``qh`` bytes into another."""
     at = builder.mul(blk, i64(TYPE_SIZE[fmt]))
     qs = [load(builder, rows[r], builder.add(at, i64(QS_AT[fmt])), vec(I8, 16)) for r in range(4)]
     v = shuffle(
@@ -182,10 +213,7 @@ def nibble_codes4(builder: ir.IRBuilder, fmt: int, rows: list[Any], blk: Any) ->
         shuffle(builder, qs[2], qs[3], range(32)),
         range(64),
     )
-    lo = builder.and_(v, splat(I8, 64, 15))
-    hi = builder.and_(builder.lshr(v, splat(I8, 64, 4)), splat(I8, 64, 15))
-    if fmt in LEVELS:  # the levels the nibbles index, plus 128
-        lo, hi = (_levels64(builder, LEVELS[fmt], codes) for codes in (lo, hi))
+    qh = None
     if fmt in QH_AT:
         words = [
             load(builder, rows[r], builder.add(at, i64(QH_AT[fmt])), vec(I8, 4)) for r in range(4)
@@ -196,18 +224,37 @@ def nibble_codes4(builder: ir.IRBuilder, fmt: int, rows: list[Any], blk: Any) ->
             shuffle(builder, words[2], words[3], range(8)),
             range(16),
         )
-        for half in (0, 1):
-            spread = pick(
-                builder, qh, [4 * (n // 16) + 2 * half + (n % 16) // 8 for n in range(64)]
-            )
-            bit = builder.and_(spread, consts(I8, [1 << (n % 8) for n in range(64)]))
-            hit = builder.icmp_unsigned("!=", bit, splat(I8, 64, 0))
-            fifth = builder.select(hit, splat(I8, 64, 16), splat(I8, 64, 0))
-            if half:
-                hi = builder.or_(hi, fifth)
-            else:
-                lo = builder.or_(lo, fifth)
-    return lo, hi
+
+    def spread(half: int) -> Any:
+        return pick(builder, qh, [4 * (n // 16) + 2 * half + (n % 16) // 8 for n in range(64)])
+
+    return _nibble_codes(builder, fmt, v, spread)
+
+
+def _row_codes4(builder: ir.IRBuilder, fmt: int, row: Any, b0: Any) -> tuple[Any, Any, Any]:
+    """Blocks ``b0 .. b0+3`` of one row of a nibble format in two 64-byte loads (the first
+    64 bytes and the last 64 of the four blocks: none past them), each block's bytes picked
+    from those into its 128-bit lane (``vpermt2b``): their stored codes as
+    :func:`nibble_codes4` lays out 4 rows' (block b in lane b), and each block's first
+    32-bit word (d; m after it in Q4_1 and Q5_1), <4 x i32>."""
+    ts = TYPE_SIZE[fmt]
+    first = byte_ptr(builder, row, builder.mul(b0, i64(ts)))
+    head, tail = (
+        load(builder, first, 0, vec(I8, 64)),
+        load(builder, first, 4 * ts - 64, vec(I8, 64)),
+    )
+
+    def picked(offsets: list[int]) -> Any:  # byte p of the four blocks, for each of offsets
+        return shuffle(builder, head, tail, [p if p < 64 else p - 4 * ts + 128 for p in offsets])
+
+    qs = picked([ts * (n // 16) + QS_AT[fmt] + n % 16 for n in range(64)])
+    words = builder.bitcast(picked([ts * (n // 4) + n % 4 for n in range(16)]), vec(I32, 4))
+
+    def spread(half: int) -> Any:
+        return picked([ts * (n // 16) + QH_AT[fmt] + 2 * half + (n % 16) // 8 for n in range(64)])
+
+    lo, hi = _nibble_codes(builder, fmt, qs, spread)
+    return lo, hi, words
 
 
 def _levels64(builder: ir.IRBuilder, table: list[int], idx: Any) -> Any:
@@ -224,10 +271,49 @@ def _nibble_sums(builder: ir.IRBuilder, fmt: int, rows: list[Any], x: Any, blk: 
     xb = builder.mul(blk, i64(32))
     xl, xh = (load(builder, x, builder.add(xb, i64(h)), vec(I8, 16)) for h in (0, 16))
     xl, xh = (pick(builder, v16, [n % 16 for n in range(64)]) for v16 in (xl, xh))
+    return _halves_dot(builder, fmt, lo, hi, xl, xh)
+
+
+def _halves_dot(builder: ir.IRBuilder, fmt: int, lo: Any, hi: Any, xl: Any, xh: Any) -> Any:
+    """The low halves' codes ``lo`` by their activations ``xl`` plus the high ones' ``hi``
+    by ``xh`` (<64 x i8> each, four 16-byte runs): <16 x i32>, 4 partial sums a run."""
     if PAIRS and fmt in SMALL_CODES:  # vpmaddubsw, the halves' pair sums added in int16
         pairs = builder.add(pair_dots(builder, lo, xl), pair_dots(builder, hi, xh))
         return scaled_pairs(builder, pairs, splat(I16, 32, 1))
     return quads(builder, dot4_into(builder, dot4_into(builder, quads_zero(), lo, xl), hi, xh))
+
+
+def _rows_sums4(
+    builder: ir.IRBuilder, fmt: int, rows: list[Any], x: Any, b0: Any
+) -> tuple[Any, Any]:
+    """The integer sums of blocks ``b0 .. b0+3`` of each row of a nibble format with one
+    token, each row's four blocks in one vector (:func:`_row_codes4`), all reduced together:
+    <4R x i32>, lane ``R*b + r`` for row r's block ``b0 + b``; and the blocks' first words in
+    the same lanes."""
+    n_rows = len(rows)
+    xs = [
+        load(builder, x, builder.add(builder.mul(b0, i64(32)), i64(h)), vec(I8, 64))
+        for h in (0, 64)
+    ]
+    xl, xh = (
+        shuffle(builder, xs[0], xs[1], [32 * (n // 16) + half + n % 16 for n in range(64)])
+        for half in (0, 16)
+    )
+    dots, words = [], []
+    for row in rows:
+        lo, hi, w = _row_codes4(builder, fmt, row, b0)
+        dots.append(_halves_dot(builder, fmt, lo, hi, xl, xh))
+        words.append(w)
+    by_row = _reduce_together(builder, dots, 4, 4 * n_rows)  # lane 4r + b
+    order = [4 * (n % n_rows) + n // n_rows for n in range(4 * n_rows)]  # lane R*b + r
+    joined = words[0]
+    while len(words) > 1:
+        words = [
+            shuffle(builder, u, v, range(2 * u.type.count))
+            for u, v in zip(words[::2], words[1::2], strict=True)
+        ]
+        joined = words[0]
+    return pick(builder, by_row, order), pick(builder, joined, order)
 
 
 def _legacy_sums(
@@ -319,7 +405,11 @@ def _legacy_step(
     for r in range(n_rows):
         for line in range(0, blocks * ts, 64):
             prefetch(builder, rows[r], builder.add(ahead, i64(line)))
-    isum = _legacy_sums(builder, fmt, rows, x, b0, blocks)  # (R * blocks,) i32
+    words = None
+    if blocks == 4 and fmt in ROW_BLOCKS4:
+        isum, words = _rows_sums4(builder, fmt, rows, x, b0)
+    else:
+        isum = _legacy_sums(builder, fmt, rows, x, b0, blocks)  # (R * blocks,) i32
     per_block = [n // n_rows for n in range(count)]  # lane -> block
 
     def by_block(base: Any, elem: ir.Type) -> Any:
@@ -328,7 +418,8 @@ def _legacy_step(
 
     if centre:
         isum = builder.sub(isum, by_block(cxp, I32))
-    words = _block_words(builder, rows, rb, builder.mul(b0, i64(ts)), ts, per_block)
+    if words is None:
+        words = _block_words(builder, rows, rb, builder.mul(b0, i64(ts)), ts, per_block)
     if fmt == MXFP4:
         d = _e8m0_halves(builder, builder.and_(words, splat(I32, count, 0xFF)))
     else:
@@ -758,7 +849,7 @@ def _four_rows(buf, off, rb, nb, qx, xo, cx, yd, ys, out, o, fmt):
     0.64-0.75x the speed of single rows (a 1B file's products, 2 threads, AVX-512 and AVX2
     alike), while Q4_0, Q5_0, Q5_1 and IQ4_NL went 5-12% faster by four (Q4_1 alike within
     the noise). The same bits either way."""
-    if fmt == Q8_0:
+    if ONE_ROW[fmt]:
         for j in range(4):
             legacy_rows(buf, off + j * rb, rb, nb, qx, xo, cx, yd, ys, out, o + j, fmt, 1)
     else:

@@ -38,6 +38,8 @@ AVX512 = bool(_FEATURES.get("avx512f") and _FEATURES.get("avx512bw"))
 # AVX2 has them on 256 bits. LLVM forms vpmaddwd from the portable IR below, but not the
 # saturating vpmaddubsw (portable IR cannot say it saturates), which is called by name
 AVX2 = bool(_FEATURES.get("avx2"))
+# byte permutes across a 512-bit vector (vpermb, vpermt2b); without them LLVM spells them out
+VBMI = bool(_FEATURES.get("avx512vbmi"))
 
 
 def vec(elem: ir.Type, n: int) -> ir.VectorType:
