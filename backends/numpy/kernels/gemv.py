@@ -169,11 +169,9 @@ GEMV_CENTRE = CENTRE | {Q8_0: Q8_0_CENTRE}
 # where a nibble block's 16 qs bytes start
 QS_AT = {Q4_0: 2, Q4_1: 4, Q5_0: 6, Q5_1: 8, IQ4_NL: 2, MXFP4: 1}
 QH_AT = {Q5_0: 2, Q5_1: 4}  # its 4 bytes of fifth bits
-# One row, four blocks a step (:func:`_row_sums4`), where the host permutes bytes across a
-# 512-bit vector (AVX512-VBMI): the nibble formats' rows one after the other, as Q8_0's
+# Each row's four blocks of a step in one vector (:func:`_rows_sums4`), where the host
+# permutes bytes across a 512-bit vector (AVX512-VBMI); else each block's four rows
 ROW_BLOCKS4 = (Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4) if AVX512 and VBMI else ()
-ONE_ROW = np.zeros(64, np.bool_)  # by format id: _four_rows takes its rows one at a time
-ONE_ROW[Q8_0] = True
 
 
 def _nibble_codes(
@@ -306,14 +304,12 @@ def _rows_sums4(
         words.append(w)
     by_row = _reduce_together(builder, dots, 4, 4 * n_rows)  # lane 4r + b
     order = [4 * (n % n_rows) + n // n_rows for n in range(4 * n_rows)]  # lane R*b + r
-    joined = words[0]
-    while len(words) > 1:
+    while len(words) > 1:  # the rows' words side by side: lane 4r + b
         words = [
             shuffle(builder, u, v, range(2 * u.type.count))
             for u, v in zip(words[::2], words[1::2], strict=True)
         ]
-        joined = words[0]
-    return pick(builder, by_row, order), pick(builder, joined, order)
+    return pick(builder, by_row, order), pick(builder, words[0], order)
 
 
 def _legacy_sums(
@@ -849,7 +845,7 @@ def _four_rows(buf, off, rb, nb, qx, xo, cx, yd, ys, out, o, fmt):
     0.64-0.75x the speed of single rows (a 1B file's products, 2 threads, AVX-512 and AVX2
     alike), while Q4_0, Q5_0, Q5_1 and IQ4_NL went 5-12% faster by four (Q4_1 alike within
     the noise). The same bits either way."""
-    if ONE_ROW[fmt]:
+    if fmt == Q8_0:
         for j in range(4):
             legacy_rows(buf, off + j * rb, rb, nb, qx, xo, cx, yd, ys, out, o + j, fmt, 1)
     else:
