@@ -64,6 +64,7 @@ from qllama.backends.numpy.kernels.llvm_ir import (
     gather_dwords,
     halves,
     i64,
+    joined,
     load,
     pair_dots,
     pick,
@@ -205,23 +206,13 @@ def nibble_codes4(builder: ir.IRBuilder, fmt: int, rows: list[Any], blk: Any) ->
     are loaded into one vector, their 4 ``qh`` bytes into another."""
     at = builder.mul(blk, i64(TYPE_SIZE[fmt]))
     qs = [load(builder, rows[r], builder.add(at, i64(QS_AT[fmt])), vec(I8, 16)) for r in range(4)]
-    v = shuffle(
-        builder,
-        shuffle(builder, qs[0], qs[1], range(32)),
-        shuffle(builder, qs[2], qs[3], range(32)),
-        range(64),
-    )
+    v = joined(builder, qs)
     qh = None
     if fmt in QH_AT:
         words = [
             load(builder, rows[r], builder.add(at, i64(QH_AT[fmt])), vec(I8, 4)) for r in range(4)
         ]
-        qh = shuffle(
-            builder,
-            shuffle(builder, words[0], words[1], range(8)),
-            shuffle(builder, words[2], words[3], range(8)),
-            range(16),
-        )
+        qh = joined(builder, words)
 
     def spread(half: int) -> Any:
         return pick(builder, qh, [4 * (n // 16) + 2 * half + (n % 16) // 8 for n in range(64)])
@@ -304,12 +295,7 @@ def _rows_sums4(
         words.append(w)
     by_row = _reduce_together(builder, dots, 4, 4 * n_rows)  # lane 4r + b
     order = [4 * (n % n_rows) + n // n_rows for n in range(4 * n_rows)]  # lane R*b + r
-    while len(words) > 1:  # the rows' words side by side: lane 4r + b
-        words = [
-            shuffle(builder, u, v, range(2 * u.type.count))
-            for u, v in zip(words[::2], words[1::2], strict=True)
-        ]
-    return pick(builder, by_row, order), pick(builder, words[0], order)
+    return pick(builder, by_row, order), pick(builder, joined(builder, words), order)
 
 
 def _legacy_sums(

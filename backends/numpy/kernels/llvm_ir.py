@@ -237,13 +237,18 @@ def _by_parts(
         _x86(builder, name, ret, *(pick(builder, v, list(range(i, i + width))) for v in (a, b)))
         for i in range(0, n, width)
     ]
-    while len(outs) > 1:
-        m = outs[0].type.count
-        outs = [
+    return joined(builder, outs)
+
+
+def joined(builder: ir.IRBuilder, vecs: Sequence[Any]) -> Any:
+    """Vectors of one type (a power of 2 of them) side by side in one, in order."""
+    while len(vecs) > 1:
+        m = vecs[0].type.count
+        vecs = [
             shuffle(builder, x, y, list(range(2 * m)))
-            for x, y in zip(outs[::2], outs[1::2], strict=True)
+            for x, y in zip(vecs[::2], vecs[1::2], strict=True)
         ]
-    return outs[0]
+    return vecs[0]
 
 
 # AVX2 without VNNI: an accumulator of dot4_into keeps the pair sums (vpmaddwd's), twice the

@@ -203,11 +203,11 @@ def q8k_row(flat, t, k, qs, d, bsums):
         iscale = F32(0) if top == 0 else F32(-127) / top
         d[t, b] = F32(0) if top == 0 else F32(1) / iscale
         for g in range(16):
-            acc = 0
+            acc = np.int32(0)
             for j in range(16):
                 v = np.int8(min(_nearest_int(iscale * flat[o + 16 * g + j]), 127))
                 qs[o + 16 * g + j] = v
-                acc += int(v)
+                acc += np.int32(v)
             bsums[t, b * 16 + g] = acc
 
 
