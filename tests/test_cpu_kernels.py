@@ -12,6 +12,8 @@ import os
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("numba")
 
@@ -354,6 +356,58 @@ def test_activation_quantizers_equal_numpy(act, rounding):
             np.testing.assert_array_equal(bits(s.reshape(-1, 1)), bits(want["s"]))
     np.testing.assert_array_equal(qs.reshape(want["qs"].shape), want["qs"])
     np.testing.assert_array_equal(bits(d.reshape(-1, 1)), bits(want["d"]))
+
+
+# a row's values: ordinary, tiny, huge, ties once scaled, and the special floats
+SPECIAL = [0.0, -0.0, np.nan, np.inf, -np.inf, 1e-45, -1e-45, 3e38, -3e38, 0.5, -0.5, 2.5]
+
+
+@st.composite
+def activation_rows(draw: st.DrawFn) -> np.ndarray:
+    """Two rows of 512 (two Q8_K super-blocks each): scaled normals with special values
+    put at drawn places, and a run of 64 of one magnitude with random signs (zeros, NaN,
+    or a block's largest |x| many times over, where ggml's first one decides) or none."""
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    scale = draw(st.sampled_from([1e-40, 1e-3, 1.0, 1e3, 1e35]))
+    x = rng.standard_normal((2, 512)) * scale
+    for _ in range(draw(st.integers(0, 6))):
+        x.flat[draw(st.integers(0, x.size - 1))] = draw(st.sampled_from(SPECIAL))
+    run = draw(st.sampled_from([None, 0.0, np.nan, np.inf, 3e38, 10 * scale]))
+    if run is not None:
+        start = draw(st.integers(0, x.size - 64))
+        x.flat[start : start + 64] = run * rng.choice([-1, 1], 64)
+    with np.errstate(over="ignore"):
+        return x.astype(F32)
+
+
+@settings(max_examples=60, deadline=None)
+@given(x=activation_rows())
+def test_activation_quantizers_equal_numpy_on_any_row(x):
+    """The kernels' quantizers, and the decode loops' forms of their output (Q8_K's codes
+    in LANE_ORDER with the sums of 16 and 32; Q8_0's block sums times the format's
+    centre), against qllama's numpy quantizers, on rows with NaN, inf, ties and extremes."""
+    from qllama.backends.numpy.kernels import quantize
+
+    want = quants.get("Q8_K").unpack(quants.quantize(x, "Q8_K").reshape(-1, 292))
+    xl, d, bs16, bs32 = gemv.q8k_activations(x)
+    codes = want["qs"].reshape(-1, 64)  # (T*K/64, 64)
+    np.testing.assert_array_equal(xl.reshape(-1, 64), codes[:, gemv.LANE_ORDER])
+    np.testing.assert_array_equal(bits(d.reshape(-1, 1)), bits(want["d"]))
+    np.testing.assert_array_equal(bs16, want["bsums"].reshape(-1))
+    np.testing.assert_array_equal(bs32, want["bsums"].reshape(-1, 2).sum(axis=1))
+    for rounding in ("ref", "simd"):
+        for act in ("Q8_0", "Q8_1"):
+            size = quants.get(act).type_size
+            raw = quants.quantize(x, act, rounding=rounding).reshape(-1, size)
+            want = quants.get(act).unpack(raw)
+            qs, d, s = quantize.quantize_q8(x, rounding == "simd", act == "Q8_1")
+            np.testing.assert_array_equal(qs.reshape(want["qs"].shape), want["qs"])
+            np.testing.assert_array_equal(bits(d.reshape(-1, 1)), bits(want["d"]))
+            if act == "Q8_1":
+                np.testing.assert_array_equal(bits(s.reshape(-1, 1)), bits(want["s"]))
+        qx, _, _, cx = gemv.q8_activations(x, rounding == "simd", False, 16)
+        codes = qx.reshape(-1, 32).astype(np.int64)  # (T*K/32, 32)
+        np.testing.assert_array_equal(cx.reshape(-1), 16 * codes.sum(axis=1))
 
 
 @pytest.mark.parametrize("act", ["Q8_0", "Q8_1", "Q8_K"])

@@ -793,10 +793,11 @@ def q8_activations(x, simd, with_sum, centre):
     for t in range(tokens):
         q8_row(flat, t, k, simd, with_sum, qx, dx, sx)
         if centre:
+            row = qx[t * k : (t + 1) * k]  # (K,)
             for b in range(nb):
-                acc = 0
-                for j in range(32):
-                    acc += qx[t * k + b * 32 + j]
+                acc = np.int32(0)
+                for j in range(32 * b, 32 * b + 32):
+                    acc += np.int32(row[j])
                 cx[t, b] = centre * acc
     return qx, dx, sx, cx
 
@@ -809,12 +810,18 @@ def q8k_activations(x):
     tokens, k = x.shape
     xq, dx, bsums = q8k_rows(x)
     xl = np.empty(tokens * k, np.int8)
-    for t in range(tokens):
-        for c in range(t * k, (t + 1) * k, 64):
-            for j in range(64):
-                xl[c + j] = xq[c + LANE_ORDER[j]]
-    bs16 = bsums.reshape(-1).astype(np.int16)
-    bs32 = (bsums[:, 0::2] + bsums[:, 1::2]).reshape(-1).astype(np.int16)
+    for c in range(0, tokens * k, 32):
+        # LANE_ORDER's loops, each half of 64: xl[4l + 2q + p] = xq[16q + 8p + l]
+        for q in range(2):
+            for p in range(2):
+                for lane in range(8):
+                    xl[c + 4 * lane + 2 * q + p] = xq[c + 16 * q + 8 * p + lane]
+    sums = bsums.reshape(-1)  # (T*K/16,)
+    bs16 = np.empty(sums.shape[0], np.int16)
+    bs32 = np.empty(sums.shape[0] // 2, np.int16)
+    for i in range(bs32.shape[0]):
+        bs16[2 * i], bs16[2 * i + 1] = sums[2 * i], sums[2 * i + 1]
+        bs32[i] = sums[2 * i] + sums[2 * i + 1]
     return xl, dx, bs16, bs32
 
 
