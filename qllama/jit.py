@@ -2,17 +2,20 @@
 
 One place, so that the kernels of the numpy backend and the quantizers' compiled search
 (:mod:`qllama.quants.iq_search_jit`) compile alike without the quants importing a backend.
-Imported only where numba is installed.
+Importing it also stamps numba's disk cache of qllama's functions by the files they inline
+(:func:`_stamped`). Imported only where numba is installed.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
 import os
 import sys
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from numba import njit
@@ -142,6 +145,65 @@ def read_smaps() -> str:
     except OSError:  # not Linux, or no /proc
         return ""
 
+
+# --- numba's disk cache, stamped with what a kernel inlines ------------------------------------
+
+# Beside a function's own directory, what qllama's compiled code reads as it compiles: these
+# options and the GGML tables (qllama/ggml_types.py, the quants' level tables)
+_SHARED_SOURCES = ("jit.py", "ggml_types.py", "quants")
+
+
+@functools.cache
+def _sources_stamp(directory: str) -> str:
+    """A hash of the Python files of ``directory`` and of :data:`_SHARED_SOURCES`, by content,
+    once a process (a process runs the files it imported)."""
+    here = Path(__file__).parent
+    roots = [Path(directory), *(here / s for s in _SHARED_SOURCES)]
+    files = sorted({f for r in roots for f in ([r] if r.is_file() else r.glob("*.py"))})
+    digest = hashlib.sha256()
+    for f in files:
+        digest.update(f.name.encode() + f.read_bytes())
+    return digest.hexdigest()
+
+
+def _stamped(locator: type) -> type:
+    """numba's cache ``locator`` for qllama's functions, stamped also by the files their
+    machine code inlines. numba stamps a cached function by its own file alone: after an edit
+    of kernels/quantize.py, gemv.py's decode kernels, which inline its quantizers, came from
+    the cache with the old code."""
+
+    class Stamped(locator):
+        def get_source_stamp(self) -> Any:
+            return (super().get_source_stamp(), _sources_stamp(os.path.dirname(self._py_file)))
+
+        @classmethod
+        def from_function(cls, py_func: Any, py_file: str) -> Any:
+            if not getattr(py_func, "__module__", "").startswith("qllama."):
+                return None  # another library's function: numba's own locators
+            return super().from_function(py_func, py_file)
+
+    Stamped.__name__ = Stamped.__qualname__ = f"Stamped{locator.__name__}"
+    return Stamped
+
+
+def _stamp_qllama_caches() -> None:
+    """Put :func:`_stamped` forms of numba's file-backed locators, in numba's order (a
+    ``NUMBA_CACHE_DIR`` first), before its own."""
+    from numba.core import caching
+
+    ours: list[Any] = [
+        _stamped(c)
+        for c in (
+            caching.UserProvidedCacheLocator,
+            caching.InTreeCacheLocator,
+            caching.UserWideCacheLocator,
+        )
+    ]
+    numba_own: list[Any] = caching.CacheImpl._locator_classes
+    caching.CacheImpl._locator_classes = [*ours, *numba_own]
+
+
+_stamp_qllama_caches()
 
 if sys.platform.startswith("linux"):
     _COMPILER_PAGES = _CompilerPages()

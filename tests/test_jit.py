@@ -116,3 +116,59 @@ def test_llvms_pages_are_given_back_and_what_compiles_after_is_right() -> None:
     *after_compile, found = result.split()[3:]
     assert found == "True", "madvise refused, or no LLVM library found"
     assert [*resident, *after_compile] == ["0", "0", "0"]
+
+
+INNER = """
+from numba import njit
+
+
+@njit(cache=True, inline="always")
+def g(x):
+    return x + {step}
+"""
+
+OUTER = """
+from numba import njit
+
+from qllama.probe_inner import g
+
+
+@njit(cache=True)
+def f(x):
+    return g(x)
+"""
+
+RUN = """
+import importlib.util
+import sys
+
+import qllama.jit  # noqa: F401  (qllama's cache locators)
+
+for name in ("inner", "outer"):
+    spec = importlib.util.spec_from_file_location(f"qllama.probe_{name}", f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+print(sys.modules["qllama.probe_outer"].f(1))
+"""
+
+
+def test_a_cached_kernel_is_recompiled_when_a_file_it_inlines_changes(tmp_path) -> None:
+    """numba stamps a cached function by its own file; a qllama kernel's stamp also covers its
+    directory (and the shared tables), so an edit of a function it inlines is not served
+    from the cache as the old machine code."""
+    pytest.importorskip("numba")
+    (tmp_path / "outer.py").write_text(OUTER)
+
+    def run(step: int) -> str:
+        (tmp_path / "inner.py").write_text(INNER.format(step=step))
+        done = subprocess.run(
+            [sys.executable, "-c", RUN], capture_output=True, text=True, cwd=tmp_path
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stdout.strip()
+
+    assert run(1) == "2"
+    assert list((tmp_path / "__pycache__").glob("outer.f-*.nbi"))  # f came from the cache...
+    assert run(2) == "3"  # ...and was compiled again for the new g
+    assert run(2) == "3"

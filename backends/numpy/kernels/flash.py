@@ -22,6 +22,8 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
+import qllama.jit  # noqa: F401  (numba's cache of these functions, stamped as the kernels')
+
 F32 = np.float32
 NEG_INF = F32(-np.inf)
 
