@@ -9,6 +9,8 @@ import importlib.util
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import qllama
 from qllama.backends.base import GLUE_OPS, glue
@@ -54,6 +56,21 @@ def same_bits(a: np.ndarray, b: np.ndarray) -> None:
 @needs_simd_exp
 def test_glue_exact_here(ops):
     assert ops.glue_exact()
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    n=st.integers(0, 5000), off=st.integers(0, 40), square=st.booleans(), seed=st.integers(0, 99)
+)
+def test_the_pairwise_sum_is_numpys(n, off, square, seed):
+    """The kernels' pairwise sum (the softmax's and the norm's) is numpy's float32 sum of the
+    run (or of its squares), bit for bit, for runs of any length and offset."""
+    from qllama.backends.numpy.kernels import glue as kernels
+
+    a = np.random.default_rng(seed).standard_normal(off + n).astype(F32)
+    run = a[off:]
+    want = np.sum(run * run) if square else np.sum(run)
+    same_bits(np.asarray(kernels.pairwise_sum(a, off, n, square), F32), np.asarray(want, F32))
 
 
 def test_the_exactness_check_walks_its_arguments_in_chunks(ops):
